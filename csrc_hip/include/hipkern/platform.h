@@ -1,0 +1,97 @@
+// hipkern portability layer: kernels are written in HIP; this header maps what they use onto CUDA
+// when compiled by nvcc. Every target-specific #if of the project lives in this directory.
+//
+//   HK_WAVE_SIZE   lanes per wave/warp: a compile-time constant set per target by the JIT builder
+//                  (64 on CDNA gfx9xx, 32 on NVIDIA and RDNA). Kernels never write 32 or 64.
+//   hk::lanemask_t 64-bit on HIP, 32-bit on CUDA (the ballot result type).
+//   HK_EXPORT      marks the extern "C" launchers a module exports (all else is hidden).
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__HIPCC__) || defined(__HIP__)
+#define HK_PLATFORM_HIP 1
+#include <hip/hip_runtime.h>
+#elif defined(__CUDACC__)
+#define HK_PLATFORM_CUDA 1
+#include <cuda_runtime.h>
+#else
+#error "hipkern kernels are compiled by a HIP compiler or by nvcc"
+#endif
+
+#ifndef HK_WAVE_SIZE
+#error "HK_WAVE_SIZE must be defined by the build (the JIT builder sets it per target)"
+#endif
+
+#if defined(HK_PLATFORM_HIP) && defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
+static_assert(__AMDGCN_WAVEFRONT_SIZE == HK_WAVE_SIZE, "HK_WAVE_SIZE disagrees with the target");
+#endif
+
+#define HK_EXPORT extern "C" __attribute__((visibility("default")))
+#define HK_DEVICE __device__ __forceinline__
+#define HK_HOST_DEVICE __host__ __device__ __forceinline__
+
+// ---------------------------------------------------------------------------------------------
+// CUDA spelling of the HIP runtime API used by hipkern modules.
+// ---------------------------------------------------------------------------------------------
+#if defined(HK_PLATFORM_CUDA)
+typedef cudaError_t hipError_t;
+typedef cudaStream_t hipStream_t;
+#define hipSuccess cudaSuccess
+#define hipErrorInvalidValue cudaErrorInvalidValue
+#define hipErrorNotSupported cudaErrorNotSupported
+#define hipGetLastError cudaGetLastError
+#define hipPeekAtLastError cudaPeekAtLastError
+#define hipGetErrorName cudaGetErrorName
+#define hipGetErrorString cudaGetErrorString
+#define hipGetDevice cudaGetDevice
+#define hipSetDevice cudaSetDevice
+#define hipFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
+#define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define HIP_KERNEL_NAME(...) __VA_ARGS__
+#define hipLaunchKernelGGL(kernel, grid, block, shmem, stream, ...) \
+  kernel<<<(grid), (block), (shmem), (stream)>>>(__VA_ARGS__)
+#endif
+
+namespace hk {
+
+constexpr int kWaveSize = HK_WAVE_SIZE;
+
+#if defined(HK_PLATFORM_HIP)
+typedef uint64_t lanemask_t;
+#else
+typedef uint32_t lanemask_t;
+constexpr lanemask_t kFullMask = 0xffffffffu;
+#endif
+
+HK_DEVICE int lane_id() { return threadIdx.x % kWaveSize; }
+
+// Butterfly shuffle inside a wave. `width` (a power of two <= kWaveSize) limits the exchange to
+// aligned groups of that many lanes. All lanes of the wave must call it (converged).
+template <typename T>
+HK_DEVICE T shfl_xor(T v, int lane_mask, int width = kWaveSize) {
+#if defined(HK_PLATFORM_HIP)
+  return __shfl_xor(v, lane_mask, width);
+#else
+  return __shfl_xor_sync(kFullMask, v, lane_mask, width);
+#endif
+}
+
+template <typename T>
+HK_DEVICE T shfl(T v, int src_lane, int width = kWaveSize) {
+#if defined(HK_PLATFORM_HIP)
+  return __shfl(v, src_lane, width);
+#else
+  return __shfl_sync(kFullMask, v, src_lane, width);
+#endif
+}
+
+HK_DEVICE lanemask_t ballot(bool pred) {
+#if defined(HK_PLATFORM_HIP)
+  return __ballot(pred);
+#else
+  return __ballot_sync(kFullMask, pred);
+#endif
+}
+
+}  // namespace hk

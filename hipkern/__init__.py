@@ -1,0 +1,11 @@
+"""hipkern: ROCm-first GPU kernels for LLM inference, written in HIP, also built for NVIDIA GPUs.
+
+    import hipkern
+    weights, ids = hipkern.topk_softmax(router_logits, topk=8)
+
+Kernels are JIT-built for the current GPU on first use and cached (see hipkern.jit).
+"""
+from .ops import topk_softmax
+
+__version__ = "0.1.0"
+__all__ = ["topk_softmax", "__version__"]

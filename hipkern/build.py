@@ -1,0 +1,62 @@
+"""Prebuild every module: ``python -m hipkern.build [--arch gfx942|sm_90|...] [--jobs N]``.
+
+Uses the same builder as the first call of an op (same cache, same keys), so a prebuilt cache is
+what ops load. Prints per kernel and target the registers/VGPRs, shared memory/LDS and spills, and
+exits non-zero if any module fails to build or to load.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import jit
+
+
+def _short(name: str, width: int = 88) -> str:
+    name = name.replace("hk::", "").replace("(hk::topk_softmax::Args)", "")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hipkern.build", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", action="append", help="target arch (repeatable); default: this GPU's")
+    ap.add_argument("--only", help="build only the module families whose name contains this")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = ap.parse_args(argv)
+    archs = args.arch or [jit.current_arch()]
+    specs = [s for s in jit.all_specs() if not args.only or args.only in s.name]
+    if not specs:
+        print(f"no module matches --only {args.only!r}", file=sys.stderr)
+        return 2
+    failures = 0
+    for arch in archs:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            futures = [(s, pool.submit(jit.build, s, arch, args.force)) for s in specs]
+        print(f"== {arch}: {len(specs)} modules ==")
+        for spec, fut in futures:
+            try:
+                res = fut.result()
+                jit.builder.Module(spec, arch, res.path)  # it must load (dlopen + ABI check)
+            except Exception as e:  # report every module, then fail
+                failures += 1
+                print(f"FAILED {spec.name} [{arch}]: {e}")
+                continue
+            how = f"built in {res.seconds:.1f}s" if res.built else "cached"
+            print(f"{spec.name} [{arch}]: {how} -> {res.path}")
+            reg = "VGPRs" if jit.platform_of(arch) == "rocm" else "regs"
+            shm = "LDS" if jit.platform_of(arch) == "rocm" else "smem"
+            spill = "spills(regs)" if jit.platform_of(arch) == "rocm" else "spills(B)"
+            print(f"    {reg:>5} {shm + '(B)':>8} {spill:>12}  kernel")
+            for k in res.resources:
+                print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12}  {_short(k['kernel'])}")
+        print(f"== {arch}: done in {time.perf_counter() - t0:.1f}s, {failures} failures so far ==")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

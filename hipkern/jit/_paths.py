@@ -1,0 +1,39 @@
+"""Where the kernel sources and the JIT cache live."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .platform import JitError
+
+
+def csrc_root() -> Path:
+    """The HIP sources: packaged as hipkern/_csrc in a wheel, csrc_hip/ in a checkout."""
+    pkg = Path(__file__).resolve().parents[1]
+    for cand in (pkg / "_csrc", pkg.parent / "csrc_hip"):
+        if (cand / "include" / "hipkern" / "platform.h").is_file():
+            return cand
+    raise JitError(f"hipkern's HIP sources are missing (looked in {pkg / '_csrc'} and {pkg.parent / 'csrc_hip'})")
+
+
+def cache_root() -> Path:
+    """HIPKERN_JIT_DIR, else $XDG_CACHE_HOME/hipkern/jit (default ~/.cache/hipkern/jit).
+
+    Created 0700. It must belong to this user and be writable by no one else: modules are loaded
+    from it, so a directory others can write is refused rather than used.
+    """
+    env = os.environ.get("HIPKERN_JIT_DIR")
+    if env:
+        root = Path(env)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = Path(base) / "hipkern" / "jit"
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = root.stat()
+    if st.st_uid != os.getuid():
+        raise JitError(f"JIT cache {root} belongs to uid {st.st_uid}, not to this user ({os.getuid()}); "
+                       "set HIPKERN_JIT_DIR to a private directory")
+    if st.st_mode & 0o022:
+        raise JitError(f"JIT cache {root} is writable by group or others (mode {oct(st.st_mode & 0o777)}); "
+                       f"modules are never loaded from such a directory: chmod 700 {root} or set HIPKERN_JIT_DIR")
+    return root

@@ -1,0 +1,185 @@
+"""Build, cache and load JIT modules.
+
+A module is a plain shared library with a C ABI (no torch headers), loaded through ctypes. Layout
+of the cache (see ``_paths.cache_root``)::
+
+    <cache>/<arch>/<name>-<key>/<name>.so     the module
+    <cache>/<arch>/<name>-<key>/build.log     the compiler's output (resource report included)
+    <cache>/<arch>/<name>-<key>/resources.json
+    <cache>/<arch>/<name>-<key>.lock          flock'ed while a process builds it
+
+``key`` hashes every source file, every shared header, the defines, the compile command's flags,
+the compiler's version and the arch. A build runs in a temporary directory that is renamed into
+place, so a killed build never leaves a partial module; the lock is an flock, released by the kernel
+when its holder dies, so a dead builder's lock never blocks anyone. ``HIPKERN_REBUILD=1`` rebuilds
+each module once per process.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from ._lock import file_lock
+from ._paths import cache_root
+from .modules import ModuleSpec
+from .platform import JitError, current_arch, platform_of
+from .toolchain import find_toolchain, parse_resources
+
+__all__ = ["Module", "BuildResult", "build", "load", "module_key"]
+
+log = logging.getLogger("hipkern.jit")
+
+BUILDER_VERSION = "1"
+ABI_VERSION = 1
+_CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+_loaded: dict = {}
+_rebuilt: set = set()
+_mutex = threading.Lock()
+
+
+@dataclasses.dataclass
+class BuildResult:
+    spec: ModuleSpec
+    arch: str
+    path: Path
+    built: bool  # False: found in the cache
+    seconds: float
+    resources: list
+
+
+def _source_files(spec: ModuleSpec) -> list[Path]:
+    files = sorted(p for p in spec.include_dir.rglob("*") if p.is_file())
+    files.append(spec.root / "common" / "module_api.hip")
+    files += [spec.root / s for s in spec.sources]
+    for f in files:
+        if not f.is_file():
+            raise JitError(f"module {spec.name}: source {f} is missing")
+    return files
+
+
+def module_key(spec: ModuleSpec, arch: str, toolchain) -> str:
+    h = hashlib.sha256()
+    for f in _source_files(spec):
+        h.update(str(f.relative_to(spec.root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    flags = toolchain.command(arch, ["SRC"], "OUT", ["INC"], dict(spec.defines))[1:]
+    h.update(json.dumps([BUILDER_VERSION, arch, toolchain.version, flags]).encode())
+    return h.hexdigest()[:20]
+
+
+def _compile(spec: ModuleSpec, arch: str, toolchain, final_dir: Path) -> float:
+    tmp = final_dir.with_name(f".tmp-{final_dir.name}-{os.getpid()}-{threading.get_ident()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    sources = [spec.root / "common" / "module_api.hip"] + [spec.root / s for s in spec.sources]
+    cmd = toolchain.command(arch, sources, str(tmp / f"{spec.name}.so"), [spec.include_dir], dict(spec.defines))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise JitError(f"could not run the compiler {cmd[0]}: {e}") from e
+    seconds = time.perf_counter() - t0
+    log_text = "$ " + " ".join(map(str, cmd)) + "\n" + proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        failed = final_dir.with_name(f"{final_dir.name}.failed.log")
+        failed.write_text(log_text)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise JitError(f"building module {spec.name} for {arch} failed (exit {proc.returncode}); "
+                       f"full log: {failed}\n{tail}")
+    (tmp / "build.log").write_text(log_text)
+    resources = parse_resources(toolchain.platform, log_text)
+    (tmp / "resources.json").write_text(json.dumps({"seconds": seconds, "kernels": resources}, indent=1))
+    if final_dir.exists():  # HIPKERN_REBUILD: replace the old build
+        shutil.rmtree(final_dir)
+    os.rename(tmp, final_dir)
+    return seconds
+
+
+def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> BuildResult:
+    """Make sure `spec` is built for `arch` (default: the current GPU's); build it if needed."""
+    arch = arch or current_arch()
+    root = cache_root()
+    arch_dir = root / arch
+    arch_dir.mkdir(mode=0o700, exist_ok=True)
+    toolchain = find_toolchain(arch, root)
+    key = module_key(spec, arch, toolchain)
+    final_dir = arch_dir / f"{spec.name}-{key}"
+    so = final_dir / f"{spec.name}.so"
+    want_rebuild = force or (os.environ.get("HIPKERN_REBUILD") == "1" and (spec.name, arch) not in _rebuilt)
+    t0 = time.perf_counter()
+    if so.is_file() and not want_rebuild:
+        return BuildResult(spec, arch, so, False, time.perf_counter() - t0, _resources(final_dir))
+    built = False
+    with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"{spec.name} for {arch}"):
+        if want_rebuild or not so.is_file():  # another process may have built it while we waited
+            log.info("building module %s for %s", spec.name, arch)
+            _compile(spec, arch, toolchain, final_dir)
+            built = True
+            _rebuilt.add((spec.name, arch))
+    return BuildResult(spec, arch, so, built, time.perf_counter() - t0, _resources(final_dir))
+
+
+def _resources(final_dir: Path) -> list:
+    try:
+        return json.loads((final_dir / "resources.json").read_text())["kernels"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+class Module:
+    """A loaded module: its C functions as attributes, with ctypes signatures from the spec."""
+
+    def __init__(self, spec: ModuleSpec, arch: str, path: Path):
+        self.spec, self.arch, self.path = spec, arch, path
+        try:
+            self._lib = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+        except OSError as e:
+            raise JitError(f"module {spec.name} ({path}) does not load: {e}") from e
+        abi = self._lib.hk_module_abi_version()
+        if abi != ABI_VERSION:
+            raise JitError(f"module {path} has ABI {abi}, this hipkern expects {ABI_VERSION}")
+        self._lib.hk_last_error.restype = ctypes.c_char_p
+        self._lib.hk_last_error.argtypes = ()
+        for name, restype, argtypes in spec.functions:
+            fn = getattr(self._lib, name)
+            fn.restype = _CTYPES[restype]
+            fn.argtypes = [_CTYPES[a] for a in argtypes]
+            setattr(self, name, fn)
+
+    def wave_size(self) -> int:
+        return self._lib.hk_wave_size()
+
+    def last_error(self) -> str:
+        return self._lib.hk_last_error().decode(errors="replace")
+
+    def check(self, rc: int, op: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"hipkern {op}: {self.last_error()}")
+
+
+def load(spec: ModuleSpec, arch: str | None = None) -> Module:
+    """The loaded module for `spec` on `arch`, built first if the cache lacks it. Memoised."""
+    arch = arch or current_arch()
+    key = (spec.name, arch)
+    mod = _loaded.get(key)
+    if mod is not None:
+        return mod
+    with _mutex:
+        mod = _loaded.get(key)
+        if mod is None:
+            platform_of(arch)
+            result = build(spec, arch)
+            mod = Module(spec, arch, result.path)
+            _loaded[key] = mod
+    return mod

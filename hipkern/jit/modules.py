@@ -1,0 +1,70 @@
+"""Module specs: what each JIT module is built from. Data only; the builder reads it.
+
+A spec names its sources (relative to the csrc root), the preprocessor defines that pick its one
+instantiation, and the C functions it exports with their ctypes signatures. Every module also gets
+``common/module_api.hip`` (error reporting, ABI version). An op asks for ``spec(name, **params)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ._paths import csrc_root
+
+__all__ = ["ModuleSpec", "spec", "all_specs", "MODULE_FAMILIES"]
+
+# C types of launcher arguments, by short name (mapped to ctypes by the builder).
+#   ptr: device pointer or stream (void*), i32: int, i64: int64_t.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSpec:
+    name: str  # unique per instantiation, e.g. "topk_softmax_bfloat16"
+    sources: tuple  # relative to root
+    defines: tuple = ()  # ((NAME, value), ...)
+    functions: tuple = ()  # ((c_name, restype, (argtypes...)), ...)
+    root: Path = dataclasses.field(default_factory=csrc_root)
+
+    @property
+    def include_dir(self) -> Path:
+        return self.root / "include"
+
+
+# dtype name -> hk::DType value (csrc_hip/include/hipkern/dtype.h)
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+MODULE_FAMILIES = {
+    "topk_softmax": {
+        "params": {"dtype": tuple(DTYPE_CODES)},
+        "sources": ("topk_softmax/topk_softmax.hip",),
+        "defines": lambda dtype: (("HK_DTYPE", DTYPE_CODES[dtype]),),
+        "functions": (
+            # logits, weights, ids, num_tokens, num_experts, topk, renormalize, device, stream
+            ("hk_topk_softmax", "i32", ("ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "ptr")),
+        ),
+    },
+}
+
+
+def spec(family: str, **params) -> ModuleSpec:
+    fam = MODULE_FAMILIES[family]
+    if set(params) != set(fam["params"]):
+        raise ValueError(f"module {family} takes parameters {sorted(fam['params'])}, got {sorted(params)}")
+    for k, v in params.items():
+        if v not in fam["params"][k]:
+            raise ValueError(f"module {family}: {k}={v!r} is not one of {fam['params'][k]}")
+    suffix = "".join(f"_{params[k]}" for k in fam["params"])
+    return ModuleSpec(name=family + suffix, sources=fam["sources"], defines=fam["defines"](**params),
+                      functions=fam["functions"])
+
+
+def all_specs() -> list[ModuleSpec]:
+    """Every instantiation of every family (what `python -m hipkern.build` prebuilds)."""
+    out = []
+    for family, fam in MODULE_FAMILIES.items():
+        keys = list(fam["params"])
+        combos = [{}]
+        for k in keys:
+            combos = [dict(c, **{k: v}) for c in combos for v in fam["params"][k]]
+        out += [spec(family, **c) for c in combos]
+    return out

@@ -1,0 +1,60 @@
+"""Which GPU platform and architecture hipkern builds for.
+
+The arch is ``HIPKERN_ARCH`` when set, else the current torch device's: ``gfx942`` (the part of
+``gcnArchName`` before any ``:feature``) on ROCm, ``sm_<major><minor>`` on CUDA. The platform follows
+from the arch name: ``gfx*`` is ROCm, ``sm_*`` is CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+__all__ = ["JitError", "platform_of", "wave_size_of", "current_arch", "check_arch"]
+
+
+class JitError(RuntimeError):
+    """A module could not be built or loaded; the message says why and where the log is."""
+
+
+_ARCH_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}a?)$")
+
+
+def check_arch(arch: str) -> str:
+    if not isinstance(arch, str) or not _ARCH_RE.match(arch):
+        raise JitError(f"arch {arch!r} is not a GPU architecture name such as 'gfx942' or 'sm_90'")
+    return arch
+
+
+def platform_of(arch: str) -> str:
+    """'rocm' for gfx* archs, 'cuda' for sm_* archs."""
+    return "rocm" if check_arch(arch).startswith("gfx") else "cuda"
+
+
+def wave_size_of(arch: str) -> int:
+    """Lanes per wave: 64 on GCN/CDNA (gfx9xx and older), 32 on RDNA (gfx10+) and NVIDIA."""
+    if platform_of(arch) == "cuda":
+        return 32
+    return 32 if arch.startswith("gfx1") and len(arch) == 7 else 64
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    if getattr(torch.version, "hip", None):
+        return check_arch(props.gcnArchName.split(":")[0])
+    return check_arch(f"sm_{props.major}{props.minor}")
+
+
+def current_arch(device_index: int | None = None) -> str:
+    """The arch to build for: HIPKERN_ARCH, else the given (or current) torch GPU's."""
+    env = os.environ.get("HIPKERN_ARCH")
+    if env:
+        return check_arch(env)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise JitError("no GPU is visible to torch and HIPKERN_ARCH is not set: cannot pick an arch")
+    return _device_arch(torch.cuda.current_device() if device_index is None else device_index)

@@ -1,0 +1,234 @@
+"""Compilers for each platform: finding them, their command lines, and their resource reports.
+
+CUDA: ``nvcc`` (``HIPKERN_NVCC``, else ``$CUDA_HOME/bin/nvcc``, ``nvcc`` on PATH,
+``/usr/local/cuda/bin/nvcc``). ROCm: a clang with HIP support (``HIPKERN_HIP_CLANG``, else
+``$ROCM_PATH/llvm/bin/clang++``, ``/opt/rocm/llvm/bin/clang++``, then Debian's ``clang++-19..17``
+with ``--rocm-path=/usr``). When the device libraries lack the ISA-version file of the target (Debian
+ships ROCm 5.2, which predates gfx942), a private copy of the libraries is made with that file derived
+from its nearest sibling (gfx940 -> gfx942: the same bitcode with the version constant changed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from ._lock import file_lock
+from .platform import JitError, platform_of, wave_size_of
+
+__all__ = ["Toolchain", "find_toolchain", "parse_resources"]
+
+# gfx942's ISA-version bitcode is gfx940's with the version constant 9400 -> 9402.
+_ISA_SIBLINGS = {"942": ("940", "9400", "9402"), "941": ("940", "9400", "9401")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    platform: str
+    compiler: str
+    version: str  # first line(s) of `compiler --version`: part of every module's cache key
+    rocm_path: str | None = None
+    device_lib_dir: str | None = None
+    extra_tools: tuple = ()
+
+    def command(self, arch: str, sources, out: str, include_dirs, defines: dict) -> list[str]:
+        d = [f"-D{k}={v}" for k, v in sorted(defines.items())] + [f"-DHK_WAVE_SIZE={wave_size_of(arch)}"]
+        inc = [f"-I{p}" for p in include_dirs]
+        if self.platform == "cuda":
+            num = arch[3:]
+            gencode = f"-gencode=arch=compute_{num},code=sm_{num}"
+            return [self.compiler, "-x", "cu", "-std=c++17", "-O3", gencode, "-shared",
+                    "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-v", "-lineinfo",
+                    *inc, *d, *map(str, sources), "-o", out]
+        cmd = [self.compiler, "-x", "hip", f"--offload-arch={arch}", "-std=c++17", "-O3", "-fPIC",
+               "-shared", "-fvisibility=hidden", "-Rpass-analysis=kernel-resource-usage",
+               f"--rocm-path={self.rocm_path}", *inc, *d, *map(str, sources), "-o", out]
+        if self.device_lib_dir:
+            cmd.insert(4, f"--rocm-device-lib-path={self.device_lib_dir}")
+        lib = Path(self.rocm_path) / "lib"
+        if lib.is_dir():
+            cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+        return cmd + ["-lamdhip64"]
+
+
+def _version(compiler: str, cache_dir: Path) -> str:
+    """`compiler --version`, memoised on disk by the binary's path, size and mtime."""
+    st = os.stat(compiler)
+    key = f"{os.path.realpath(compiler)}|{st.st_size}|{st.st_mtime_ns}"
+    memo = cache_dir / "compiler-versions.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise JitError(f"compiler {compiler} does not run: {e}") from e
+    version = " | ".join(line.strip() for line in out.stdout.splitlines() if line.strip())[:400]
+    known[key] = version
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, memo)
+    return version
+
+
+def _which(candidates) -> str | None:
+    for c in candidates:
+        if not c:
+            continue
+        p = shutil.which(c) if os.sep not in c else (c if os.access(c, os.X_OK) else None)
+        if p:
+            return p
+    return None
+
+
+def _find_nvcc() -> str:
+    env = os.environ.get("HIPKERN_NVCC")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise JitError(f"HIPKERN_NVCC={env} is not an executable compiler")
+        return env
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    found = _which([cuda_home and os.path.join(cuda_home, "bin", "nvcc"), "nvcc", "/usr/local/cuda/bin/nvcc"])
+    if not found:
+        raise JitError("no CUDA compiler found: install the CUDA toolkit (nvcc), or set HIPKERN_NVCC "
+                       "or CUDA_HOME")
+    return found
+
+
+def _find_hip_clang() -> tuple[str, str]:
+    env = os.environ.get("HIPKERN_HIP_CLANG")
+    rocm = os.environ.get("ROCM_PATH")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise JitError(f"HIPKERN_HIP_CLANG={env} is not an executable compiler")
+        return env, rocm or ("/opt/rocm" if os.path.isdir("/opt/rocm") else "/usr")
+    for root in [rocm, "/opt/rocm"]:
+        if root and os.access(os.path.join(root, "llvm", "bin", "clang++"), os.X_OK):
+            return os.path.join(root, "llvm", "bin", "clang++"), root
+    found = _which(["clang++-19", "clang++-18", "clang++-17"])
+    if found and os.path.isfile("/usr/include/hip/hip_runtime.h"):
+        return found, "/usr"
+    raise JitError("no HIP compiler found: install ROCm (or Debian's hipcc, libamdhip64-dev, "
+                   "rocm-device-libs and clang-19), or set HIPKERN_HIP_CLANG and ROCM_PATH")
+
+
+def _device_libs(rocm_path: str, arch: str, cache_dir: Path) -> str | None:
+    """The device-library dir to pass, or None when the compiler's default one serves `arch`."""
+    candidates = [Path(rocm_path) / "amdgcn" / "bitcode", Path(rocm_path) / "lib" / "amdgcn" / "bitcode",
+                  Path("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")]
+    src = next((p for p in candidates if (p / "ockl.bc").is_file()), None)
+    if src is None:
+        raise JitError(f"no ROCm device libraries (ockl.bc) under {rocm_path}: install rocm-device-libs")
+    num = arch[3:]
+    if (src / f"oclc_isa_version_{num}.bc").is_file():
+        return str(src)
+    if num not in _ISA_SIBLINGS:
+        raise JitError(f"the ROCm device libraries in {src} do not support {arch}")
+    sibling, old, new = _ISA_SIBLINGS[num]
+    dest = cache_dir / f"rocm-device-libs-{arch}"
+    target = dest / f"oclc_isa_version_{num}.bc"
+    if target.is_file():
+        return str(dest)
+    llvm_bin = _which(["llvm-dis-19", "llvm-dis-18", "llvm-dis-17", "llvm-dis"])
+    llvm_as = _which(["llvm-as-19", "llvm-as-18", "llvm-as-17", "llvm-as"])
+    if not (llvm_bin and llvm_as):
+        raise JitError(f"deriving {target.name} for {arch} needs llvm-dis and llvm-as (package llvm-19)")
+    with file_lock(cache_dir / f"rocm-device-libs-{arch}.lock", f"device libraries for {arch}"):
+        if target.is_file():  # made by another process while we waited
+            return str(dest)
+        tmp = Path(f"{dest}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        text = subprocess.run([llvm_bin, str(src / f"oclc_isa_version_{sibling}.bc"), "-o", "-"],
+                              capture_output=True, text=True, check=True).stdout
+        subprocess.run([llvm_as, "-o", str(tmp / target.name)], input=text.replace(old, new), text=True,
+                       check=True)
+        os.rename(tmp, dest)
+    return str(dest)
+
+
+def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
+    if platform_of(arch) == "cuda":
+        nvcc = _find_nvcc()
+        return Toolchain("cuda", nvcc, _version(nvcc, cache_dir))
+    clang, rocm = _find_hip_clang()
+    libs = _device_libs(rocm, arch, cache_dir)
+    return Toolchain("rocm", clang, _version(clang, cache_dir), rocm_path=rocm, device_lib_dir=libs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resource reports: registers/VGPRs, shared memory/LDS, spills per kernel, from the build log.
+# ----------------------------------------------------------------------------------------------
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+_CLANG_REMARK = re.compile(r"remark:\s+(Function Name|SGPRs|VGPRs|AGPRs|ScratchSize \[bytes/lane\]|"
+                           r"Occupancy \[waves/SIMD\]|SGPRs Spill|VGPRs Spill|LDS Size \[bytes/block\]):\s*(\S+)")
+
+
+def _demangle(names):
+    try:
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=30)
+        lines = out.stdout.splitlines()
+        if len(lines) == len(names):
+            return lines
+    except OSError:
+        pass
+    return list(names)
+
+
+def parse_resources(platform: str, log: str) -> list[dict]:
+    """One dict per kernel: kernel, regs (registers / VGPRs), shared_bytes (smem / LDS), spills
+    (CUDA: spill store+load bytes; ROCm: spilled SGPRs+VGPRs), and target-specific extras."""
+    rows: list[dict] = []
+    if platform == "cuda":
+        cur = None
+        for line in log.splitlines():
+            m = _PTXAS_ENTRY.search(line)
+            if m:
+                cur = {"kernel": m.group(1), "regs": 0, "shared_bytes": 0, "spills": 0, "stack_bytes": 0}
+                rows.append(cur)
+                continue
+            if cur is None:
+                continue
+            m = _PTXAS_FRAME.search(line)
+            if m:
+                cur["stack_bytes"] = int(m.group(1))
+                cur["spills"] = int(m.group(2)) + int(m.group(3))
+            m = _PTXAS_USED.search(line)
+            if m:
+                cur["regs"] = int(m.group(1))
+                cur["shared_bytes"] = int(m.group(2) or 0)
+    else:
+        cur = None
+        for line in log.splitlines():
+            m = _CLANG_REMARK.search(line)
+            if not m:
+                continue
+            key, val = m.groups()
+            if key == "Function Name":
+                cur = {"kernel": val, "regs": 0, "shared_bytes": 0, "spills": 0}
+                rows.append(cur)
+            elif cur is not None:
+                if key == "VGPRs":
+                    cur["regs"] = int(val)
+                elif key == "LDS Size [bytes/block]":
+                    cur["shared_bytes"] = int(val)
+                elif key in ("SGPRs Spill", "VGPRs Spill"):
+                    cur["spills"] += int(val)
+                elif key == "ScratchSize [bytes/lane]":
+                    cur["scratch_bytes"] = int(val)
+                elif key == "AGPRs":
+                    cur["agprs"] = int(val)
+                elif key == "Occupancy [waves/SIMD]":
+                    cur["occupancy"] = int(val)
+    for row, name in zip(rows, _demangle([r["kernel"] for r in rows])):
+        row["kernel"] = name
+    return rows

@@ -1,0 +1,54 @@
+"""What every op shares: the torch library, argument checks, and per-device module lookup."""
+from __future__ import annotations
+
+import torch
+
+from .. import jit
+
+__all__ = ["lib", "check_tensor", "check_int", "DTYPE_NAMES", "raw_stream", "module_for"]
+
+# torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
+lib = torch.library.Library("hipkern", "DEF")
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, contiguous: bool = True,
+                 gpu: bool = True) -> None:
+    """Raise ValueError naming `name` unless `t` is a tensor as described."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must be one of {allowed}, got {str(t.dtype).replace('torch.', '')}")
+    if gpu and t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a GPU (a 'cuda' device in torch, also on ROCm), got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+
+
+def check_int(name: str, v, lo: int, hi: int, why: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}]{why}, got {v}")
+
+
+def raw_stream(device_index: int) -> int:
+    """The current torch stream of the device, as the raw handle a launcher takes."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+_modules: dict = {}
+
+
+def module_for(family: str, device_index: int, **params) -> jit.Module:
+    """The module of `family` with `params` for the arch of GPU `device_index` (built on first use)."""
+    key = (family, device_index, *params.values())
+    mod = _modules.get(key)
+    if mod is None:
+        mod = jit.load(jit.spec(family, **params), jit.current_arch(device_index))
+        _modules[key] = mod
+    return mod

@@ -1,0 +1,208 @@
+"""Test and benchmark helpers in aiter's conventions, made strict.
+
+* ``checkAllclose(a, b, rtol, atol, tol_err_ratio, msg)``: prints ``[checkAllclose atol=.. rtol=..
+  passed~]`` or a ``failed!`` line with the max abs delta and the share of mismatched elements, and
+  returns that share. NaN or Inf in `a` where the reference `b` is finite is always a failure.
+* ``run_perftest`` / ``@perftest``: device-event timing after warm-up, median of many runs, inputs
+  rotated over more than the L2 size (or L2 flushed between runs when that would take too many
+  copies), with the launch queue primed so that host overhead does not leak into device time.
+* ``BenchTable``: prints a benchmark table in the reference logs' CSV style and writes it as CSV.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["checkAllclose", "run_perftest", "perftest", "BenchTable", "poison", "l2_bytes"]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: float = 1e-2,
+                  tol_err_ratio: float = 0.0, msg: str = "", printLog: bool = True) -> float:
+    """Compare `a` (tested) with `b` (reference): |a - b| <= atol + rtol * |b| elementwise.
+
+    Returns the share of mismatched elements (0.0 when all match). It passes when that share is at
+    most `tol_err_ratio`, except that any non-finite value of `a` where `b` is finite fails outright,
+    and then 1.0 is returned whatever the share, so ``assert checkAllclose(...) <= tol`` catches it.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"checkAllclose: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    x = a.detach().to(torch.float64)
+    y = b.detach().to(torch.float64)
+    head = f"{msg}[checkAllclose atol={_fmt(atol)} rtol={_fmt(rtol)}"
+    if x.numel() == 0:
+        if printLog:
+            print(f"{head} passed~]")
+        return 0.0
+    close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+    bad_nonfinite = int((~torch.isfinite(x) & torch.isfinite(y)).sum())
+    n_bad = int((~close).sum())
+    share = n_bad / x.numel()
+    if n_bad == 0:
+        if printLog:
+            print(f"{head} passed~]")
+        return 0.0
+    delta = (x - y).abs()
+    delta = torch.where(torch.isnan(delta), torch.full_like(delta, math.inf), delta)
+    failed = bad_nonfinite > 0 or share > tol_err_ratio
+    if printLog:
+        word = "failed!" if failed else "warning!"
+        extra = f", {bad_nonfinite} non-finite where the reference is finite" if bad_nonfinite else ""
+        print(f"{head} {word}]\n    -->max abs delta:{float(delta.max()):.6g}, delta details: "
+              f"{share:.2%} ({n_bad} of {x.numel()}) elements{extra}")
+    return 1.0 if bad_nonfinite else share
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill `t` with NaN (floating) or an out-of-range sentinel (integer), so unwritten elements show."""
+    if t.dtype.is_floating_point:
+        return t.fill_(math.nan)
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def l2_bytes(device=None) -> int:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        return int(getattr(props, "L2_cache_size", 0) or 64 << 20)
+    return 64 << 20
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
+def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate_bytes: int | None = None,
+                 max_copies: int = 64, **kwargs):
+    """Time ``func(*args, **kwargs)``; returns (output of the last call, median microseconds).
+
+    GPU inputs: each timed call gets its own device-event pair. Tensor arguments are cloned into
+    enough copies that the calls cycle over more than `rotate_bytes` (default 2x L2); when that would
+    need more than `max_copies` copies, L2 is flushed before each call instead (outside the timed
+    span). The stream is first held by a spin kernel long enough for all launches to queue, so the
+    events measure device time, not Python's launch overhead. CPU inputs: host clock, same protocol.
+    """
+    if num_iters < 1:
+        raise ValueError(f"num_iters must be >= 1, got {num_iters}")
+    tensors = list(_tensors((args, kwargs)))
+    on_gpu = any(t.is_cuda for t in tensors) or (not tensors and torch.cuda.is_available())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    target = rotate_bytes if rotate_bytes is not None else 2 * l2_bytes()
+    copies = min(max_copies, max(1, math.ceil(target / max(nbytes, 1))))
+    flush = on_gpu and copies * nbytes < target
+    sets = [(args, kwargs)] + [_clone((args, kwargs)) for _ in range(copies - 1)]
+    out = None
+    for i in range(num_warmup):
+        a, k = sets[i % len(sets)]
+        out = func(*a, **k)
+    if not on_gpu:
+        times = []
+        for i in range(num_iters):
+            a, k = sets[i % len(sets)]
+            t0 = time.perf_counter()
+            out = func(*a, **k)
+            times.append((time.perf_counter() - t0) * 1e6)
+        return out, statistics.median(times)
+
+    scratch = torch.empty(target // 4, dtype=torch.int32, device="cuda") if flush else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
+
+    def enqueue():
+        nonlocal out
+        for i in range(num_iters):
+            a, k = sets[i % len(sets)]
+            if flush:
+                scratch.zero_()
+            starts[i].record()
+            out = func(*a, **k)
+            ends[i].record()
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    enqueue()  # a dry pass measures how long the host takes to enqueue everything
+    torch.cuda.synchronize()
+    host_us = (time.perf_counter() - t0) * 1e6
+    # Hold the stream while the host enqueues: ~2000 cycles per us is a safe upper clock, x2 margin.
+    torch.cuda._sleep(int(min(host_us, 200_000) * 2000 * 2))
+    enqueue()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    return out, statistics.median(times)
+
+
+def perftest(num_iters: int = 100, num_warmup: int = 10, rotate_bytes: int | None = None):
+    """Decorator: the wrapped call returns (its output, median us), timed by run_perftest."""
+
+    def deco(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            return run_perftest(func, *args, num_iters=num_iters, num_warmup=num_warmup,
+                                rotate_bytes=rotate_bytes, **kwargs)
+
+        return wrapper
+
+    return deco
+
+
+class BenchTable:
+    """Rows of a benchmark: printed as 'Timestamp,<columns>' CSV lines and written with pandas."""
+
+    def __init__(self, columns: list[str], title: str = ""):
+        self.columns = ["Timestamp"] + list(columns)
+        self.title = title
+        self.rows: list[dict] = []
+
+    def add(self, **row) -> dict:
+        missing = [c for c in self.columns[1:] if c not in row]
+        if missing:
+            raise ValueError(f"BenchTable row lacks columns {missing}")
+        row = {"Timestamp": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"), **row}
+        self.rows.append(row)
+        return row
+
+    @staticmethod
+    def _cell(v) -> str:
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    def render(self) -> str:
+        lines = [self.title] if self.title else []
+        lines.append(",".join(self.columns))
+        lines += [",".join(self._cell(r[c]) for c in self.columns) for r in self.rows]
+        return "\n".join(lines)
+
+    def print(self) -> None:
+        print(self.render(), flush=True)
+
+    def to_csv(self, path) -> Path:
+        import pandas as pd
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(self.rows, columns=self.columns).to_csv(path, index=False, float_format="%.4f")
+        return path
