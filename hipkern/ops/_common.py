@@ -5,7 +5,7 @@ import torch
 
 from .. import jit
 
-__all__ = ["lib", "check_tensor", "check_int", "DTYPE_NAMES", "raw_stream", "module_for"]
+__all__ = ["lib", "check_tensor", "check_device", "check_int", "DTYPE_NAMES", "raw_stream", "module_for"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -13,9 +13,9 @@ lib = torch.library.Library("hipkern", "DEF")
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, contiguous: bool = True,
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=None, contiguous: bool = True,
                  gpu: bool = True) -> None:
-    """Raise ValueError naming `name` unless `t` is a tensor as described."""
+    """Raise ValueError naming `name` unless `t` is a tensor as described (`shape`: exact sizes)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -23,10 +23,19 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, contiguo
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} must be one of {allowed}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if gpu and t.device.type != "cuda":
         raise ValueError(f"{name} must be on a GPU (a 'cuda' device in torch, also on ROCm), got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+
+
+def check_device(device, **tensors) -> None:
+    """Raise ValueError naming the first of `tensors` that is not on `device`."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} (the device of the inputs), got {t.device}")
 
 
 def check_int(name: str, v, lo: int, hi: int, why: str = "") -> None:

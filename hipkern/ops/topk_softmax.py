@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import DTYPE_NAMES, check_int, check_tensor, lib, module_for, raw_stream
+from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, raw_stream
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -11,17 +11,28 @@ MAX_EXPERTS = 512
 MAX_TOPK = 16
 
 lib.define("topk_softmax(Tensor gating_logits, int topk, bool renormalize=True) -> (Tensor, Tensor)")
+lib.define("topk_softmax_out(Tensor gating_logits, int topk, bool renormalize, Tensor(a!) weights, "
+           "Tensor(b!) ids) -> ()")
 
 
-def _validate(gating_logits, topk, renormalize) -> None:
-    check_tensor("gating_logits", gating_logits, ndim=2, dtypes=tuple(DTYPE_NAMES))
-    num_experts = gating_logits.shape[1]
+def _validate(gating_logits, topk, renormalize, out=None) -> None:
+    # Device last, so that every other argument error shows on any device.
+    check_tensor("gating_logits", gating_logits, ndim=2, dtypes=tuple(DTYPE_NAMES), gpu=False)
+    num_tokens, num_experts = gating_logits.shape
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"gating_logits must have 1..{MAX_EXPERTS} experts (columns), got {num_experts}")
-    check_int("topk", topk, 1, min(MAX_TOPK, num_experts), f" (at most {MAX_TOPK} and at most the "
-              f"number of experts, {num_experts})")
+    check_int("topk", topk, 1, min(MAX_TOPK, num_experts),
+              f" (at most {MAX_TOPK} and at most the number of experts, {num_experts})")
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError("out must be a pair (weights, ids)")
+        check_tensor("out[0] (weights)", out[0], dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
+        check_tensor("out[1] (ids)", out[1], dtypes=(torch.int32,), shape=(num_tokens, topk), gpu=False)
+    check_tensor("gating_logits", gating_logits)
+    if out is not None:
+        check_device(gating_logits.device, **{"out[0] (weights)": out[0], "out[1] (ids)": out[1]})
 
 
 def _outputs(gating_logits, topk):
@@ -31,20 +42,26 @@ def _outputs(gating_logits, topk):
             torch.empty((n, topk), dtype=torch.int32, device=dev))
 
 
+def _launch(gating_logits, topk, renormalize, weights, ids) -> None:
+    num_tokens, num_experts = gating_logits.shape
+    if num_tokens == 0:
+        return
+    dev = gating_logits.device.index
+    mod = module_for("topk_softmax", dev, dtype=DTYPE_NAMES[gating_logits.dtype])
+    rc = mod.hk_topk_softmax(gating_logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), num_tokens,
+                             num_experts, topk, int(renormalize), dev, raw_stream(dev))
+    if rc:
+        mod.check(rc, "topk_softmax")
+
+
 def _gpu_impl(gating_logits, topk, renormalize=True):
     weights, ids = _outputs(gating_logits, topk)
-    num_tokens, num_experts = gating_logits.shape
-    if num_tokens:
-        dev = gating_logits.device.index
-        mod = module_for("topk_softmax", dev, dtype=DTYPE_NAMES[gating_logits.dtype])
-        rc = mod.hk_topk_softmax(gating_logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), num_tokens,
-                                 num_experts, topk, int(renormalize), dev, raw_stream(dev))
-        if rc:
-            mod.check(rc, "topk_softmax")
+    _launch(gating_logits, topk, renormalize, weights, ids)
     return weights, ids
 
 
 lib.impl("topk_softmax", _gpu_impl, "CUDA")
+lib.impl("topk_softmax_out", _launch, "CUDA")
 
 
 @torch.library.register_fake("hipkern::topk_softmax")
@@ -53,7 +70,12 @@ def _fake(gating_logits, topk, renormalize=True):
     return _outputs(gating_logits, topk)
 
 
-def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = True):
+@torch.library.register_fake("hipkern::topk_softmax_out")
+def _fake_out(gating_logits, topk, renormalize, weights, ids):
+    _validate(gating_logits, topk, renormalize, (weights, ids))
+
+
+def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = True, *, out=None):
     """Route tokens to experts: softmax over each row of `gating_logits`, then its `topk` largest.
 
     Args:
@@ -61,11 +83,17 @@ def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = Tru
             1 <= num_experts <= 512.
         topk: experts per token, 1 <= topk <= min(16, num_experts).
         renormalize: scale each token's weights to sum to 1 (else they are the softmax probabilities).
+        out: optional (weights float32, ids int32), each [num_tokens, topk] contiguous on the same
+            device, written in place (for preallocated buffers and CUDA graphs).
 
     Returns:
-        (weights float32 [num_tokens, topk], ids int32 [num_tokens, topk]), best expert first.
-        Equal to float32 softmax then a stable descending sort: of equal logits the lower expert index
-        comes first. num_tokens == 0 gives empty tensors. NaN logits give unspecified (but in-range) ids.
+        (weights float32 [num_tokens, topk], ids int32 [num_tokens, topk]), best expert first (`out`
+        itself when given). Equal to float32 softmax then a stable descending sort: of equal logits
+        the lower expert index comes first. num_tokens == 0 gives empty tensors. Logits must be
+        finite or -inf with a finite row maximum; NaN gives unspecified (but in-range) ids.
     """
-    _validate(gating_logits, topk, renormalize)
-    return torch.ops.hipkern.topk_softmax.default(gating_logits, topk, renormalize)
+    _validate(gating_logits, topk, renormalize, out)
+    if out is None:
+        return torch.ops.hipkern.topk_softmax.default(gating_logits, topk, renormalize)
+    torch.ops.hipkern.topk_softmax_out.default(gating_logits, topk, renormalize, out[0], out[1])
+    return out[0], out[1]

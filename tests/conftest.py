@@ -1,0 +1,80 @@
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hipkern.jit.platform import JitError
+from hipkern.jit.toolchain import find_toolchain
+
+REPO = Path(__file__).resolve().parents[1]
+# CI sets this: a missing compiler is then a failure, not a skip.
+REQUIRE_TOOLCHAINS = os.environ.get("HIPKERN_REQUIRE_TOOLCHAINS") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU visible to torch")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def toolchain_or_skip(arch: str, tmp_path: Path):
+    """The toolchain for `arch`, or skip (fail under HIPKERN_REQUIRE_TOOLCHAINS=1) if it is missing."""
+    try:
+        return find_toolchain(arch, tmp_path)
+    except JitError as e:
+        if REQUIRE_TOOLCHAINS:
+            pytest.fail(f"toolchain for {arch} required but missing: {e}")
+        pytest.skip(f"no toolchain for {arch}: {e}")
+
+
+@pytest.fixture
+def jit_dir(tmp_path, monkeypatch):
+    d = tmp_path / "jit"
+    monkeypatch.setenv("HIPKERN_JIT_DIR", str(d))
+    monkeypatch.delenv("HIPKERN_REBUILD", raising=False)
+    return d
+
+
+TINY_SOURCE = r"""
+#include "hipkern/error.h"
+#include "hipkern/reduce.h"
+
+__global__ void tiny_scale_kernel(float* x, int n, float a) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  float v = i < n ? x[i] * a : 0.f;
+  v += 0.f * hk::group_sum(v);  // exercise the portability layer's shuffles
+  if (i < n) x[i] = v;
+}
+
+HK_EXPORT int hk_tiny_scale(void* x, int n, int device, void* stream) {
+  HK_REQUIRE(n > 0);
+  HK_TRY(hk::use_device(device));
+  hipLaunchKernelGGL(tiny_scale_kernel, dim3((n + 255) / 256), dim3(256), 0, (hipStream_t)stream,
+                     (float*)x, n, TINY_FACTOR);
+  HK_CHECK_LAUNCH("tiny_scale_kernel");
+  return 0;
+}
+"""
+
+
+@pytest.fixture
+def tiny_root(tmp_path):
+    """A csrc root holding the real shared headers and module API plus a one-kernel module."""
+    root = tmp_path / "csrc"
+    shutil.copytree(REPO / "csrc_hip" / "include", root / "include")
+    shutil.copytree(REPO / "csrc_hip" / "common", root / "common")
+    (root / "tiny").mkdir()
+    (root / "tiny" / "tiny.hip").write_text(TINY_SOURCE)
+    return root
+
+
+def tiny_spec(root, name="tiny", factor="2.0f"):
+    from hipkern.jit.modules import ModuleSpec
+
+    return ModuleSpec(name=name, sources=("tiny/tiny.hip",), defines=(("TINY_FACTOR", factor),),
+                      functions=(("hk_tiny_scale", "i32", ("ptr", "i32", "i32", "ptr")),), root=Path(root))

@@ -1,0 +1,189 @@
+"""The JIT builder on the CPU: real builds for sm_90 (nvcc) and gfx942 (clang HIP), the cache, the
+lock, killed builds, private cache directories and error reporting."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_spec, toolchain_or_skip
+from hipkern import jit
+from hipkern.jit import builder
+from hipkern.jit.platform import JitError
+
+ARCHS = ["sm_90", "gfx942"]
+pytestmark = pytest.mark.toolchain
+
+
+def _child(root, jit_dir, *, arch="sm_90", name="tiny", env=None):
+    """Start a process that builds+loads the tiny module and prints what happened as JSON."""
+    code = textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+        from conftest import tiny_spec
+        from hipkern import jit
+        t0 = time.perf_counter()
+        res = jit.build(tiny_spec({str(root)!r}, name={name!r}), {arch!r})
+        mod = jit.builder.Module(res.spec, {arch!r}, res.path)
+        print(json.dumps({{"built": res.built, "seconds": time.perf_counter() - t0,
+                          "wave": mod.wave_size(), "path": str(res.path)}}))
+    """)
+    full_env = dict(os.environ, HIPKERN_JIT_DIR=str(jit_dir), PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.Popen([sys.executable, "-c", code], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_build_load_and_call_without_gpu(arch, jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip(arch, tmp_path)
+    res = jit.build(tiny_spec(tiny_root), arch)
+    assert res.built and res.path.is_file()
+    mod = builder.Module(res.spec, arch, res.path)
+    assert mod.wave_size() == (64 if arch == "gfx942" else 32)
+    assert [k["kernel"] for k in res.resources] == ["tiny_scale_kernel(float*, int, float)"]
+    assert res.resources[0]["regs"] > 0
+    assert mod.hk_tiny_scale(None, 0, 0, None) != 0
+    assert "requirement n > 0" in mod.last_error()
+    if not torch.cuda.is_available():  # the launcher reports the missing device, it does not crash
+        rc = mod.hk_tiny_scale(None, 10, 0, None)
+        assert rc != 0
+        assert "hipGetDevice(&cur) failed" in mod.last_error()
+        with pytest.raises(RuntimeError, match="hipkern tiny: hipGetDevice"):
+            mod.check(rc, "tiny")
+
+
+def test_second_process_loads_from_cache_fast(jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip("sm_90", tmp_path)
+    first = _result(_child(tiny_root, jit_dir))
+    second = _result(_child(tiny_root, jit_dir))
+    assert first["built"] and not second["built"]
+    assert second["path"] == first["path"]
+    assert second["seconds"] < 1.0, f"cached load took {second['seconds']:.3f}s"
+
+
+def test_two_processes_started_together_build_once(jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip("sm_90", tmp_path)
+    procs = [_child(tiny_root, jit_dir) for _ in range(2)]
+    results = [_result(p) for p in procs]
+    assert sorted(r["built"] for r in results) == [False, True]
+    assert results[0]["path"] == results[1]["path"]
+    logs = list((jit_dir / "sm_90").glob("tiny-*/build.log"))
+    assert len(logs) == 1
+
+
+def test_killed_build_leaves_no_module_and_no_stuck_lock(jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip("sm_90", tmp_path)
+    proc = _child(tiny_root, jit_dir)
+    deadline = time.monotonic() + 120
+    while not list((jit_dir / "sm_90").glob(".tmp-tiny-*")):  # the build has started
+        assert time.monotonic() < deadline and proc.poll() is None, "build never started"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the builder and its compiler
+    proc.wait()
+    assert not list((jit_dir / "sm_90").glob("tiny-*/tiny.so"))
+    t0 = time.perf_counter()
+    res = jit.build(tiny_spec(tiny_root), "sm_90")  # the dead process's lock does not block this
+    assert res.built and res.path.is_file()
+    assert time.perf_counter() - t0 < 120
+
+
+def test_leftover_lock_file_of_dead_process_is_ignored(jit_dir, tiny_root, tmp_path):
+    tc = toolchain_or_skip("sm_90", tmp_path)
+    spec = tiny_spec(tiny_root)
+    (jit_dir / "sm_90").mkdir(parents=True)
+    key = jit.module_key(spec, "sm_90", tc)
+    (jit_dir / "sm_90" / f"tiny-{key}.lock").write_text("999999999")
+    assert jit.build(spec, "sm_90").built
+
+
+def test_rebuild_env_rebuilds_once_per_process(jit_dir, tiny_root, tmp_path, monkeypatch):
+    toolchain_or_skip("sm_90", tmp_path)
+    assert _result(_child(tiny_root, jit_dir))["built"]
+    assert _result(_child(tiny_root, jit_dir, env={"HIPKERN_REBUILD": "1"}))["built"]
+    monkeypatch.setenv("HIPKERN_REBUILD", "1")
+    monkeypatch.setattr(builder, "_rebuilt", set())
+    spec = tiny_spec(tiny_root)
+    assert jit.build(spec, "sm_90").built
+    assert not jit.build(spec, "sm_90").built
+
+
+def test_key_covers_sources_headers_and_defines(jit_dir, tiny_root, tmp_path):
+    tc = toolchain_or_skip("sm_90", tmp_path)
+    key = jit.module_key(tiny_spec(tiny_root), "sm_90", tc)
+    assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) == key
+    assert jit.module_key(tiny_spec(tiny_root, factor="3.0f"), "sm_90", tc) != key
+    header = tiny_root / "include" / "hipkern" / "reduce.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) != key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_error_names_the_log(arch, jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip(arch, tmp_path)
+    (tiny_root / "tiny" / "tiny.hip").write_text("this is not C++;\n")
+    with pytest.raises(JitError, match=r"building module tiny for .* failed .*full log: ") as err:
+        jit.build(tiny_spec(tiny_root), arch)
+    log_path = str(err.value).split("full log: ")[1].split()[0]
+    assert "this is not C++" in open(log_path).read()
+    assert not list((jit_dir / arch).glob("tiny-*/tiny.so"))
+
+
+@pytest.mark.parametrize("var,arch", [("HIPKERN_NVCC", "sm_90"), ("HIPKERN_HIP_CLANG", "gfx942")])
+def test_missing_compiler_is_a_clear_error(var, arch, jit_dir, tiny_root, monkeypatch):
+    monkeypatch.setenv(var, "/nonexistent/compiler")
+    with pytest.raises(JitError, match=f"{var}=/nonexistent/compiler is not an executable compiler"):
+        jit.build(tiny_spec(tiny_root), arch)
+
+
+def test_cache_dir_writable_by_others_is_refused(tmp_path, tiny_root, monkeypatch):
+    d = tmp_path / "shared-cache"
+    d.mkdir()
+    d.chmod(0o777)
+    monkeypatch.setenv("HIPKERN_JIT_DIR", str(d))
+    with pytest.raises(JitError, match="writable by group or others"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_new_cache_dir_is_private(jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip("sm_90", tmp_path)
+    jit.build(tiny_spec(tiny_root), "sm_90")
+    assert jit_dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_arch_names(monkeypatch):
+    assert jit.platform_of("gfx942") == "rocm" and jit.platform_of("sm_90") == "cuda"
+    assert jit.wave_size_of("gfx942") == 64 and jit.wave_size_of("gfx1100") == 32
+    assert jit.wave_size_of("sm_90") == 32
+    for bad in ["", "gfx", "sm90", "cuda", "gfx942; rm -rf /"]:
+        with pytest.raises(JitError, match="is not a GPU architecture name"):
+            jit.platform_of(bad)
+    monkeypatch.setenv("HIPKERN_ARCH", "gfx942")
+    assert jit.current_arch() == "gfx942"
+    monkeypatch.setenv("HIPKERN_ARCH", "bogus")
+    with pytest.raises(JitError):
+        jit.current_arch()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_shipped_module_builds_and_loads(arch, jit_dir, tmp_path):
+    """What `python -m hipkern.build --arch <arch>` does, through the path an op's first call takes."""
+    toolchain_or_skip(arch, tmp_path)
+    for spec in jit.all_specs():
+        res = jit.build(spec, arch)
+        mod = builder.Module(spec, arch, res.path)
+        assert res.resources and all(k["regs"] > 0 for k in res.resources), spec.name
+        assert all(k["spills"] == 0 for k in res.resources), res.resources
+        if spec.name.startswith("topk_softmax") and not torch.cuda.is_available():
+            rc = mod.hk_topk_softmax(None, None, None, 4, 8, 2, 1, 0, None)
+            assert rc != 0 and "failed" in mod.last_error()

@@ -1,0 +1,210 @@
+"""topk_softmax against a float32 torch reference (softmax, then a stable descending sort)."""
+import math
+
+import pytest
+import torch
+
+import hipkern
+from hipkern.reference import topk_softmax_ref
+from hipkern.testing import checkAllclose, poison
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Weights are float32 arithmetic on both sides; only exp/sum rounding differs.
+ATOL, RTOL = 1e-6, 1e-5
+
+
+def _logits(t, e, dtype, device="cuda", scale=2.0):
+    return (torch.randn(t, e, device=device) * scale).to(dtype)
+
+
+def _run(x, k, renorm):
+    out = (poison(torch.empty(x.shape[0], k, device=x.device)),
+           poison(torch.empty(x.shape[0], k, device=x.device, dtype=torch.int32)))
+    w, i = hipkern.topk_softmax(x, k, renorm, out=out)
+    assert w is out[0] and i is out[1]
+    return w, i
+
+
+def _check(x, k, renorm, w, ids):
+    """Weights match the reference; ids pick those weights; ids equal the reference's wherever the
+    row's top k+1 logits have no two distinct values closer than float32 softmax can resolve."""
+    ref_w, ref_ids = topk_softmax_ref(x, k, renorm)
+    assert checkAllclose(w, ref_w, rtol=RTOL, atol=ATOL, msg="weights ") == 0
+    assert ids.dtype == torch.int32 and int(ids.min()) >= 0 and int(ids.max()) < x.shape[1]
+    assert (ids.sort(dim=1).values.diff(dim=1) != 0).all(), "an expert chosen twice"
+    probs = torch.softmax(x.float(), dim=-1)
+    picked = probs.gather(1, ids.long())
+    if renorm:
+        picked = picked / picked.sum(dim=1, keepdim=True)
+    assert checkAllclose(w, picked, rtol=RTOL, atol=ATOL, msg="weights at ids ") == 0
+    top = x.float().sort(dim=1, descending=True, stable=True).values[:, : k + 1]
+    gaps = top.diff(dim=1).abs()
+    near_tie = ((gaps > 0) & (gaps < 1e-5 * top[:, :-1].abs().clamp(min=1))).any(dim=1)
+    exact = ~near_tie
+    assert near_tie.float().mean() < 0.05
+    torch.testing.assert_close(ids[exact], ref_ids[exact], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e", [1, 2, 3, 5, 8, 16, 60, 64, 128, 200, 256, 257, 384, 511, 512])
+def test_matches_reference_over_expert_counts(dtype, e):
+    torch.manual_seed(e)
+    for t in (1, 3, 129):
+        for k in sorted({1, 2, min(e, 8), min(e, 16)}):
+            for renorm in (True, False):
+                x = _logits(t, e, dtype)
+                _check(x, k, renorm, *_run(x, k, renorm))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,k", [(1024, 8, 2), (16384, 64, 8), (16384, 256, 8), (4096, 512, 16),
+                                   (70001, 128, 6), (2048, 160, 6)])
+def test_matches_reference_large(dtype, t, e, k):
+    torch.manual_seed(t + e)
+    x = _logits(t, e, dtype)
+    _check(x, k, True, *_run(x, k, True))
+    w, ids = hipkern.topk_softmax(x, k, False)  # the functional form, outputs from the allocator
+    _check(x, k, False, w, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e", [8, 64, 257, 512])
+def test_ties_rank_lower_expert_first(dtype, e):
+    torch.manual_seed(7)
+    x = torch.randint(0, 3, (257, e), device="cuda").to(dtype)  # many exact ties
+    x[5] = 1.0  # a row of all-equal logits
+    k = min(e, 16)
+    w, ids = _run(x, k, True)
+    ref_w, ref_ids = topk_softmax_ref(x, k, True)
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(ids[5].cpu(), torch.arange(k, dtype=torch.int32))
+    assert checkAllclose(w, ref_w, rtol=RTOL, atol=ATOL) == 0
+
+
+@pytest.mark.gpu
+def test_minus_infinity_logits_are_selectable():
+    x = torch.full((4, 64), -math.inf, device="cuda")
+    x[:, 10] = 0.0
+    x[:, 3] = -1.0
+    w, ids = _run(x, 4, False)
+    assert ids[:, :2].tolist() == [[10, 3]] * 4
+    assert torch.equal(ids[:, 2:], torch.tensor([[0, 1]] * 4, dtype=torch.int32, device="cuda"))
+    assert (w[:, 2:] == 0).all() and checkAllclose(w[:, :2].sum(1), torch.ones(4, device="cuda")) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_rows_take_the_scalar_path(dtype):
+    torch.manual_seed(3)
+    base = _logits(1, 33 * 64 + 1, dtype).view(-1)
+    x = base[1:].view(33, 64)  # contiguous but 2-4 bytes off a 16-byte boundary
+    assert x.data_ptr() % 16 != 0
+    _check(x, 8, True, *_run(x, 8, True))
+
+
+@pytest.mark.gpu
+def test_zero_tokens_and_side_stream():
+    w, ids = hipkern.topk_softmax(torch.empty(0, 64, device="cuda"), 8)
+    assert w.shape == (0, 8) and ids.shape == (0, 8) and ids.dtype == torch.int32
+    x = _logits(4096, 256, torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w, ids = hipkern.topk_softmax(x, 8)
+    torch.cuda.current_stream().wait_stream(s)
+    _check(x, 8, True, w, ids)
+
+
+@pytest.mark.gpu
+def test_deterministic():
+    x = _logits(8192, 256, torch.float32)
+    first = hipkern.topk_softmax(x, 8)
+    for _ in range(5):
+        again = hipkern.topk_softmax(x, 8)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    x = _logits(512, 128, torch.bfloat16)
+    out = (torch.empty(512, 8, device="cuda"), torch.empty(512, 8, device="cuda", dtype=torch.int32))
+    hipkern.topk_softmax(x, 8, out=out)  # warm-up (module load) outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hipkern.topk_softmax(x, 8, out=out)
+        functional = hipkern.topk_softmax(x, 8, False)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(_logits(512, 128, torch.bfloat16))
+        poison(out[0]), poison(out[1]), poison(functional[0])
+        g.replay()
+        torch.cuda.synchronize()
+        _check(x, 8, True, *out)
+        _check(x, 8, False, *functional)
+
+
+@pytest.mark.gpu
+def test_torch_compile():
+    def route(logits):
+        w, ids = hipkern.topk_softmax(logits, 4)
+        return w * 2, ids
+
+    compiled = torch.compile(route, fullgraph=True)
+    for t in (16, 33):
+        x = _logits(t, 32, torch.float16)
+        w, ids = compiled(x)
+        _check(x, 4, True, w / 2, ids)
+
+
+# ---------------------------------------------------------------- argument validation (any device)
+def _cpu(t=4, e=8, dtype=torch.float32):
+    return torch.randn(t, e, dtype=dtype)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((_cpu(), 9), {}, r"topk must be in \[1, 8\]"),
+    ((_cpu(), 0), {}, r"topk must be in \[1, 8\]"),
+    ((_cpu(4, 64), 17), {}, r"topk must be in \[1, 16\]"),
+    ((_cpu(), 2.0), {}, "topk must be an int"),
+    ((_cpu(), True), {}, "topk must be an int"),
+    ((_cpu(), 2, 1), {}, "renormalize must be a bool"),
+    ((_cpu(4, 600), 2), {}, "gating_logits must have 1..512 experts"),
+    ((_cpu(4, 0), 1), {}, "gating_logits must have 1..512 experts"),
+    ((_cpu()[0], 1), {}, "gating_logits must have 2 dimensions"),
+    ((_cpu().unsqueeze(0), 1), {}, "gating_logits must have 2 dimensions"),
+    ((_cpu(dtype=torch.float64), 2), {}, "gating_logits must be one of float32, float16, bfloat16"),
+    ((torch.ones(4, 8, dtype=torch.int32), 2), {}, "gating_logits must be one of"),
+    ((_cpu(8, 4).t(), 2), {}, "gating_logits must be contiguous"),
+    (([[1.0, 2.0]], 1), {}, "gating_logits must be a torch.Tensor"),
+    ((_cpu(), 2), {}, "gating_logits must be on a GPU"),
+    ((_cpu(), 2), {"out": (torch.empty(4, 2),)}, "out must be a pair"),
+    ((_cpu(), 2), {"out": (torch.empty(4, 3), torch.empty(4, 2, dtype=torch.int32))},
+     r"out\[0\] \(weights\) must have shape \(4, 2\)"),
+    ((_cpu(), 2), {"out": (torch.empty(4, 2), torch.empty(4, 2))}, r"out\[1\] \(ids\) must be one of int32"),
+])
+def test_bad_arguments_raise_value_error(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hipkern.topk_softmax(*args, **kwargs)
+
+
+@pytest.mark.gpu
+def test_outputs_on_another_device_are_rejected():
+    x = _logits(4, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"out\[0\] \(weights\) must be on cuda:0"):
+        hipkern.topk_softmax(x, 2, out=(torch.empty(4, 2), torch.empty(4, 2, dtype=torch.int32)))
+
+
+def test_reference_breaks_ties_by_lower_index():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    w, ids = topk_softmax_ref(x, 3, True)
+    assert ids.tolist() == [[1, 2, 4]]
+    assert torch.allclose(w, torch.full((1, 3), 1 / 3))
+
+
+def test_op_is_registered_for_compile_and_graphs():
+    assert hasattr(torch.ops.hipkern, "topk_softmax") and hasattr(torch.ops.hipkern, "topk_softmax_out")
+    schema = str(torch.ops.hipkern.topk_softmax_out.default._schema)
+    assert "Tensor(a!) weights" in schema and "Tensor(b!) ids" in schema
