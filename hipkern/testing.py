@@ -51,7 +51,7 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
         if printLog:
             print(f"{head} passed~]")
         return 0.0
-    delta = (x - y).abs()
+    delta = (x - y).abs()[~close]  # over the mismatches only: matching NaN/Inf pairs are no delta
     delta = torch.where(torch.isnan(delta), torch.full_like(delta, math.inf), delta)
     failed = bad_nonfinite > 0 or share > tol_err_ratio
     if printLog:
@@ -129,7 +129,9 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
             times.append((time.perf_counter() - t0) * 1e6)
         return out, statistics.median(times)
 
-    scratch = torch.empty(target // 4, dtype=torch.int32, device="cuda") if flush else None
+    # Flushing reads a buffer larger than L2: writing one would leave dirty lines whose write-back
+    # would then be billed to the timed call.
+    scratch = torch.ones(target // 4, dtype=torch.int32, device="cuda") if flush else None
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
 
@@ -138,7 +140,7 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
         for i in range(num_iters):
             a, k = sets[i % len(sets)]
             if flush:
-                scratch.zero_()
+                scratch.sum()
             starts[i].record()
             out = func(*a, **k)
             ends[i].record()

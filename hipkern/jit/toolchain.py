@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from ._lock import file_lock
@@ -72,7 +73,7 @@ def _version(compiler: str, cache_dir: Path) -> str:
         raise JitError(f"compiler {compiler} does not run: {e}") from e
     version = " | ".join(line.strip() for line in out.stdout.splitlines() if line.strip())[:400]
     known[key] = version
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp = memo.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(known))
     os.replace(tmp, memo)
     return version
