@@ -2,10 +2,12 @@
 //
 // One row per group of TPR lanes (a power of two <= the wave size). The row's logits are split in
 // chunks of VEC consecutive elements (one 16-byte load when the row allows it, else VEC = 1);
-// lane g of the group holds chunks g, g + TPR, ... (CPL of them) in registers. Softmax statistics
-// and each of the k argmax rounds are butterfly reductions inside the group, so every lane knows
-// every result. Ties: of equal logits the lower expert index ranks first (a stable descending
-// sort), so ids and weights equal softmax-then-topk in float32 with that rule.
+// lane g of the group holds chunks g, g + TPR, ... (CPL of them) in registers, as order-preserving
+// 32-bit keys. Each of the k selection rounds is two group reductions (the largest key, then the
+// lowest expert index holding it), after which only the lane that held the winner rescans its own
+// logits. Round r's result is kept by lane r % TPR, which writes it at the end. Ties: of equal
+// logits the lower expert index ranks first (a stable descending sort), so ids and weights equal
+// softmax-then-topk in float32 with that rule.
 #include "hipkern/error.h"
 #include "hipkern/reduce.h"
 #include "hipkern/vec.h"
@@ -28,88 +30,85 @@ struct Args {
 };
 
 template <typename T, int VEC, int TPR, int CPL>
-__global__ __launch_bounds__(kBlockThreads, 1) void topk_softmax_kernel(Args a) {
-  constexpr int N = VEC * CPL;  // logits per lane
-  static_assert(N <= 32, "taken-mask is 32 bits");
+__global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
+  constexpr int N = VEC * CPL;                            // logits per lane
+  constexpr int kSlots = (kMaxTopK + TPR - 1) / TPR;      // results kept per lane
   const int g = threadIdx.x % TPR;
   const int64_t row = (int64_t)blockIdx.x * (kBlockThreads / TPR) + threadIdx.x / TPR;
-  // Groups past the last row stay to the end: the shuffles need every lane of the wave.
+  // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
 
-  float x[N];
-  uint32_t taken = 0;  // bit i: x[i] is padding or already selected
+  uint32_t key[N];  // ordered_key(logit); 0 = padding or already selected
 #pragma unroll
   for (int c = 0; c < CPL; ++c) {
-    const int first = (c * TPR + g) * VEC;  // expert index of x[c * VEC]
+    const int first = (c * TPR + g) * VEC;  // expert index of key[c * VEC]
     float v[VEC];
-    if (live && first < a.num_experts) {
-      load_as_float<T, VEC>(src + first, v);
-    } else {
+    const bool present = live && first < a.num_experts;
+    if (present) load_as_float<T, VEC>(src + first, v);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[j] = -INFINITY;
-      taken |= ((1u << VEC) - 1u) << (c * VEC);
-    }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) x[c * VEC + j] = v[j];
+    for (int j = 0; j < VEC; ++j) key[c * VEC + j] = present ? ordered_key(v[j]) : 0u;
   }
+  auto expert_of = [&](int i) { return ((i / VEC) * TPR + g) * VEC + i % VEC; };
 
-  float m = -INFINITY;
+  uint32_t top = 0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) m = fmaxf(m, x[i]);
-  m = group_max<TPR>(m);
+  for (int i = 0; i < N; ++i) top = top > key[i] ? top : key[i];
+  const float m = key_to_float(group_max_u32<TPR>(top));
   float s = 0.f;
 #pragma unroll
-  for (int i = 0; i < N; ++i) s += (taken >> i) & 1u ? 0.f : expf(x[i] - m);
+  for (int i = 0; i < N; ++i) s += key[i] ? expf(key_to_float(key[i]) - m) : 0.f;
   s = group_sum<TPR>(s);
 
-  auto expert_of = [&](int i) { return ((i / VEC) * TPR + g) * VEC + i % VEC; };
-  auto local_best = [&]() {
-    ArgMax b{0.f, -1};
+  // This lane's best remaining logit: largest key, lowest position (= lowest expert) on ties.
+  uint32_t best = 0;
+  int pos = 0;
+  auto rescan = [&]() {
+    best = 0;
 #pragma unroll
-    for (int i = 0; i < N; ++i)  // ascending expert order: strict > keeps the lower index on ties
-      if (!((taken >> i) & 1u) && (b.index < 0 || x[i] > b.value)) b = ArgMax{x[i], expert_of(i)};
-    return b;
+    for (int i = N - 1; i >= 0; --i) {
+      if (key[i] >= best) { best = key[i]; pos = i; }
+    }
   };
+  rescan();
 
-  // The rounds loop stays rolled (compact code, fast builds); round r's result goes to register
-  // slot r through compile-time indices, so nothing spills to scratch.
-  float sel_logit[kMaxTopK];
-  int sel_id[kMaxTopK];
-  ArgMax mine = local_best();
+  uint32_t sel_key[kSlots];
+  int sel_id[kSlots];
 #pragma unroll 1
   for (int r = 0; r < a.topk; ++r) {
-    const ArgMax best = group_argmax<TPR>(mine);
+    const uint32_t win_key = group_max_u32<TPR>(best);
+    const int mine = best == win_key ? expert_of(pos) : 0x7fffffff;
+    const int win_id = (int)group_min_u32<TPR>((uint32_t)mine);
+    if (mine == win_id) {  // this lane held the winner: drop it and rescan
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      if (j == r) {
-        sel_logit[j] = best.value;
-        sel_id[j] = best.index;
-      }
+      for (int i = 0; i < N; ++i) key[i] = i == pos ? 0u : key[i];
+      rescan();
     }
-    if (best.index >= 0 && (best.index / VEC) % TPR == g) {  // this lane held it
-      const int chunk = best.index / VEC / TPR;
-      taken |= 1u << (chunk * VEC + best.index % VEC);
-      mine = local_best();
+    if (r % TPR == g) {
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        if (j == r / TPR) { sel_key[j] = win_key; sel_id[j] = win_id; }
+      }
     }
   }
 
-  float e[kMaxTopK];
+  // Lane g holds rounds g, g + TPR, ...: exponentiate, normalise, write.
+  float e[kSlots];
   float kept = 0.f;
 #pragma unroll
-  for (int r = 0; r < kMaxTopK; ++r) {
-    e[r] = r < a.topk && sel_id[r] >= 0 ? expf(sel_logit[r] - m) : 0.f;
-    kept += e[r];
+  for (int j = 0; j < kSlots; ++j) {
+    const int r = j * TPR + g;
+    e[j] = r < a.topk && sel_key[j] ? expf(key_to_float(sel_key[j]) - m) : 0.f;
+    kept += e[j];
   }
-  const float denom = a.renormalize ? kept : s;
+  const float denom = a.renormalize ? group_sum<TPR>(kept) : s;
   if (!live) return;
-  float* w_out = a.weights + row * a.topk;
-  int32_t* i_out = a.ids + row * a.topk;
 #pragma unroll
-  for (int r = 0; r < kMaxTopK; ++r) {
-    if (r < a.topk && r % TPR == g) {
-      w_out[r] = e[r] / denom;
-      i_out[r] = sel_id[r];
+  for (int j = 0; j < kSlots; ++j) {
+    const int r = j * TPR + g;
+    if (r < a.topk) {
+      a.weights[row * a.topk + r] = e[j] / denom;
+      a.ids[row * a.topk + r] = sel_id[j];
     }
   }
 }
