@@ -15,7 +15,17 @@ lib.define("topk_softmax_out(Tensor gating_logits, int topk, bool renormalize, T
            "Tensor(b!) ids) -> ()")
 
 
+_DTYPES = frozenset(DTYPE_NAMES)
+
+
 def _validate(gating_logits, topk, renormalize, out=None) -> None:
+    # Fast path for the common valid call; anything else takes the checks below, which name the
+    # offending argument.
+    if (out is None and type(gating_logits) is torch.Tensor and gating_logits.is_cuda
+            and gating_logits.dtype in _DTYPES and gating_logits.dim() == 2 and type(topk) is int
+            and type(renormalize) is bool and 1 <= topk <= MAX_TOPK and topk <= gating_logits.shape[1] <= MAX_EXPERTS
+            and gating_logits.is_contiguous()):
+        return
     # Device last, so that every other argument error shows on any device.
     check_tensor("gating_logits", gating_logits, ndim=2, dtypes=tuple(DTYPE_NAMES), gpu=False)
     num_tokens, num_experts = gating_logits.shape
@@ -42,12 +52,18 @@ def _outputs(gating_logits, topk):
             torch.empty((n, topk), dtype=torch.int32, device=dev))
 
 
+_modules: dict = {}
+
+
 def _launch(gating_logits, topk, renormalize, weights, ids) -> None:
     num_tokens, num_experts = gating_logits.shape
     if num_tokens == 0:
         return
-    dev = gating_logits.device.index
-    mod = module_for("topk_softmax", dev, dtype=DTYPE_NAMES[gating_logits.dtype])
+    dev = gating_logits.get_device()
+    mod = _modules.get((gating_logits.dtype, dev))
+    if mod is None:
+        mod = _modules[(gating_logits.dtype, dev)] = module_for("topk_softmax", dev,
+                                                                 dtype=DTYPE_NAMES[gating_logits.dtype])
     rc = mod.hk_topk_softmax(gating_logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), num_tokens,
                              num_experts, topk, int(renormalize), dev, raw_stream(dev))
     if rc:
@@ -93,7 +109,12 @@ def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = Tru
         finite or -inf with a finite row maximum; NaN gives unspecified (but in-range) ids.
     """
     _validate(gating_logits, topk, renormalize, out)
+    if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
+        if out is None:
+            return torch.ops.hipkern.topk_softmax.default(gating_logits, topk, renormalize)
+        torch.ops.hipkern.topk_softmax_out.default(gating_logits, topk, renormalize, out[0], out[1])
+        return out[0], out[1]
     if out is None:
-        return torch.ops.hipkern.topk_softmax.default(gating_logits, topk, renormalize)
-    torch.ops.hipkern.topk_softmax_out.default(gating_logits, topk, renormalize, out[0], out[1])
+        return _gpu_impl(gating_logits, topk, renormalize)
+    _launch(gating_logits, topk, renormalize, out[0], out[1])
     return out[0], out[1]
