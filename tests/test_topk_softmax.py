@@ -85,6 +85,15 @@ def test_ties_rank_lower_expert_first(dtype, e):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_signed_zeros_tie(dtype):
+    x = torch.tensor([[-0.0, 0.0, -0.0, -1.0, 0.0]] * 3, device="cuda").to(dtype)
+    w, ids = _run(x, 4, True)
+    assert ids.tolist() == [[0, 1, 2, 4]] * 3
+    assert checkAllclose(w, torch.full((3, 4), 0.25, device="cuda")) == 0
+
+
+@pytest.mark.gpu
 def test_minus_infinity_logits_are_selectable():
     x = torch.full((4, 64), -math.inf, device="cuda")
     x[:, 10] = 0.0

@@ -2,14 +2,16 @@
 //
 // One row per group of TPR lanes (a power of two <= the wave size). The row's logits are split in
 // chunks of VEC consecutive elements (one 16-byte load when the row allows it, else VEC = 1);
-// lane g of the group holds chunks g, g + TPR, ... (CPL of them) in registers, as order-preserving
-// 32-bit keys. Each of the k selection rounds is two group reductions (the largest key, then the
-// lowest expert index holding it), after which only the lane that held the winner rescans its own
-// logits. Round r's result is kept by lane r % TPR, which writes it at the end. Ties: of equal
-// logits the lower expert index ranks first (a stable descending sort), so ids and weights equal
+// lane g of the group holds chunks g, g + TPR, ... (CPL of them) in registers. Each logit becomes
+// a unique rank key (its value's order-preserving bits, then the inverted expert index), so "larger
+// key" means "larger logit, or equal logit and lower expert". Each lane sorts its keys once; a
+// selection round is then one group max over the lanes' first keys, and the lane that held the
+// winner pops it. Round r's result is kept by lane r % TPR, which writes it at the end. Ties: of
+// equal logits the lower expert ranks first (a stable descending sort), so ids and weights equal
 // softmax-then-topk in float32 with that rule.
 #include "hipkern/error.h"
 #include "hipkern/reduce.h"
+#include "hipkern/sort.h"
 #include "hipkern/vec.h"
 
 namespace hk {
@@ -29,66 +31,73 @@ struct Args {
   bool renormalize;
 };
 
+// Rank key of (logit, expert); 0 (below every key of a real logit) marks "none".
+template <typename T> struct RankKey;
+
+template <> struct RankKey<float> {  // 32 value bits + 32 expert bits
+  typedef uint64_t type;
+  static HK_DEVICE type make(float v, int e) {  // + 0.f: -0 ties with +0, as in a sort
+    return ((uint64_t)ordered_key(v + 0.f) << 32) | (0xffffffffu - (uint32_t)e);
+  }
+  static HK_DEVICE float logit(type k) { return key_to_float((uint32_t)(k >> 32)); }
+  static HK_DEVICE int expert(type k) { return (int)(0xffffffffu - (uint32_t)k); }
+  template <int W> static HK_DEVICE type group_max(type k) { return group_max_u64<W>(k); }
+};
+
+template <typename T16> struct RankKey16 {  // 16 value bits + 16 expert bits
+  typedef uint32_t type;
+  static HK_DEVICE type make(T16 v, int e) {  // -0 (0x8000) ties with +0, as in a sort
+    return (ordered_key16(v.bits == 0x8000u ? 0 : v.bits) << 16) | (0xffffu - (uint32_t)e);
+  }
+  static HK_DEVICE float logit(type k) { T16 b; b.bits = key16_to_bits(k >> 16); return to_float(b); }
+  static HK_DEVICE int expert(type k) { return (int)(0xffffu - (k & 0xffffu)); }
+  template <int W> static HK_DEVICE type group_max(type k) { return group_max_u32<W>(k); }
+};
+template <> struct RankKey<half_t> : RankKey16<half_t> {};
+template <> struct RankKey<bf16_t> : RankKey16<bf16_t> {};
+
 template <typename T, int VEC, int TPR, int CPL>
 __global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
-  constexpr int N = VEC * CPL;                            // logits per lane
-  constexpr int kSlots = (kMaxTopK + TPR - 1) / TPR;      // results kept per lane
+  typedef RankKey<T> RK;
+  typedef typename RK::type K;
+  constexpr int N = VEC * CPL;                        // logits per lane
+  constexpr int kSlots = (kMaxTopK + TPR - 1) / TPR;  // results kept per lane
   const int g = threadIdx.x % TPR;
   const int64_t row = (int64_t)blockIdx.x * (kBlockThreads / TPR) + threadIdx.x / TPR;
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
 
-  uint32_t key[N];  // ordered_key(logit); 0 = padding or already selected
+  K key[N];
 #pragma unroll
   for (int c = 0; c < CPL; ++c) {
-    const int first = (c * TPR + g) * VEC;  // expert index of key[c * VEC]
-    float v[VEC];
+    const int first = (c * TPR + g) * VEC;  // expert of key[c * VEC]
     const bool present = live && first < a.num_experts;
-    if (present) load_as_float<T, VEC>(src + first, v);
+    T v[VEC];
+    if (present) load_vec<T, VEC>(src + first, v);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) key[c * VEC + j] = present ? ordered_key(v[j]) : 0u;
+    for (int j = 0; j < VEC; ++j) key[c * VEC + j] = present ? RK::make(v[j], first + j) : K(0);
   }
-  auto expert_of = [&](int i) { return ((i / VEC) * TPR + g) * VEC + i % VEC; };
+  bitonic_sort_desc(key);
+  const float m = RK::logit(RK::template group_max<TPR>(key[0]));  // the row's largest logit
 
-  uint32_t top = 0;
+  float denom = 0.f;  // the softmax denominator, needed only without renormalisation
+  if (!a.renormalize) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) top = top > key[i] ? top : key[i];
-  const float m = key_to_float(group_max_u32<TPR>(top));
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) s += key[i] ? expf(key_to_float(key[i]) - m) : 0.f;
-  s = group_sum<TPR>(s);
+    for (int i = 0; i < N; ++i) denom += key[i] ? expf(RK::logit(key[i]) - m) : 0.f;
+    denom = group_sum<TPR>(denom);
+  }
 
-  // This lane's best remaining logit: largest key, lowest position (= lowest expert) on ties.
-  uint32_t best = 0;
-  int pos = 0;
-  auto rescan = [&]() {
-    best = 0;
+  K sel[kSlots];
 #pragma unroll
-    for (int i = N - 1; i >= 0; --i) {
-      if (key[i] >= best) { best = key[i]; pos = i; }
-    }
-  };
-  rescan();
-
-  uint32_t sel_key[kSlots];
-  int sel_id[kSlots];
+  for (int j = 0; j < kSlots; ++j) sel[j] = K(0);
 #pragma unroll 1
   for (int r = 0; r < a.topk; ++r) {
-    const uint32_t win_key = group_max_u32<TPR>(best);
-    const int mine = best == win_key ? expert_of(pos) : 0x7fffffff;
-    const int win_id = (int)group_min_u32<TPR>((uint32_t)mine);
-    if (mine == win_id) {  // this lane held the winner: drop it and rescan
-#pragma unroll
-      for (int i = 0; i < N; ++i) key[i] = i == pos ? 0u : key[i];
-      rescan();
-    }
+    const K win = RK::template group_max<TPR>(key[0]);
+    if (key[0] == win) pop_front(key, K(0));  // keys are unique: one lane held it
     if (r % TPR == g) {
 #pragma unroll
-      for (int j = 0; j < kSlots; ++j) {
-        if (j == r / TPR) { sel_key[j] = win_key; sel_id[j] = win_id; }
-      }
+      for (int j = 0; j < kSlots; ++j) sel[j] = j == r / TPR ? win : sel[j];
     }
   }
 
@@ -97,18 +106,17 @@ __global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
   float kept = 0.f;
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) {
-    const int r = j * TPR + g;
-    e[j] = r < a.topk && sel_key[j] ? expf(key_to_float(sel_key[j]) - m) : 0.f;
+    e[j] = sel[j] ? expf(RK::logit(sel[j]) - m) : 0.f;
     kept += e[j];
   }
-  const float denom = a.renormalize ? group_sum<TPR>(kept) : s;
+  if (a.renormalize) denom = group_sum<TPR>(kept);
   if (!live) return;
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) {
     const int r = j * TPR + g;
     if (r < a.topk) {
       a.weights[row * a.topk + r] = e[j] / denom;
-      a.ids[row * a.topk + r] = sel_id[j];
+      a.ids[row * a.topk + r] = RK::expert(sel[j]);
     }
   }
 }

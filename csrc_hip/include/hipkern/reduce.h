@@ -38,6 +38,20 @@ HK_DEVICE uint32_t group_min_u32(uint32_t v) {
   return group_reduce<Width>(v, MinOp());
 }
 
+// Unsigned 64-bit max: for a full NVIDIA warp two `redux` instructions (high words, then the low
+// words of the lanes holding the highest high word), else a butterfly.
+template <int Width = kWaveSize>
+HK_DEVICE uint64_t group_max_u64(uint64_t v) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (Width == 32) {
+    const uint32_t hi = __reduce_max_sync(kFullMask, (uint32_t)(v >> 32));
+    const uint32_t lo = __reduce_max_sync(kFullMask, (uint32_t)(v >> 32) == hi ? (uint32_t)v : 0u);
+    return ((uint64_t)hi << 32) | lo;
+  }
+#endif
+  return group_reduce<Width>(v, MaxOp());
+}
+
 // float <-> uint32 key whose unsigned order is the float order (-inf -> 0x007fffff, +inf ->
 // 0xff800000); key 0 lies below every float and serves as "nothing".
 HK_DEVICE uint32_t ordered_key(float f) {
@@ -47,6 +61,9 @@ HK_DEVICE uint32_t ordered_key(float f) {
 HK_DEVICE float key_to_float(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
+// The same for 16-bit floats (fp16, bf16), on their raw bits.
+HK_DEVICE uint32_t ordered_key16(uint16_t b) { return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u); }
+HK_DEVICE uint16_t key16_to_bits(uint32_t k) { return (uint16_t)((k & 0x8000u) ? (k & 0x7fffu) : (~k & 0xffffu)); }
 
 // Sum over a whole thread block of BlockThreads threads; `scratch` holds one float per wave.
 // All threads get the result. Contains barriers: every thread of the block must call it.

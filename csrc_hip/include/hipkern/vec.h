@@ -19,14 +19,23 @@ struct alignas(sizeof(T) * N) vec_t {
   T v[N];
 };
 
-// Load N consecutive elements at p (which must be aligned to N * sizeof(T)) and widen to float.
+// Load N consecutive elements at p (aligned to N * sizeof(T)) as one access, unconverted.
 template <typename T, int N>
-HK_DEVICE void load_as_float(const T* __restrict__ p, float (&out)[N]) {
+HK_DEVICE void load_vec(const T* __restrict__ p, T (&out)[N]) {
   typedef typename raw_vec<sizeof(T) * N>::type R;
   vec_t<T, N> x;
   *reinterpret_cast<R*>(&x) = *reinterpret_cast<const R*>(p);
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(x.v[i]);
+  for (int i = 0; i < N; ++i) out[i] = x.v[i];
+}
+
+// Load N consecutive elements at p (which must be aligned to N * sizeof(T)) and widen to float.
+template <typename T, int N>
+HK_DEVICE void load_as_float(const T* __restrict__ p, float (&out)[N]) {
+  T x[N];
+  load_vec<T, N>(p, x);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(x[i]);
 }
 
 // Narrow N floats to T and store them at p (aligned to N * sizeof(T)) as one access.
