@@ -4,9 +4,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import topk_softmax
+from . import paged_attention, topk_softmax
 
-BENCHES = {"topk_softmax": topk_softmax.main}
+BENCHES = {"paged_attention": paged_attention.main, "topk_softmax": topk_softmax.main}
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,20 @@ MODULE_FAMILIES = {
             ("hk_topk_softmax", "i32", ("ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "ptr")),
         ),
     },
+    "paged_attention": {
+        "params": {"dtype": ("float16", "bfloat16"), "head_size": (64, 128, 256)},
+        "sources": ("paged_attention/paged_attention.hip",),
+        "defines": lambda dtype, head_size: (("HK_DTYPE", DTYPE_CODES[dtype]), ("HK_HEAD_SIZE", head_size)),
+        "functions": (
+            # q, q_stride_s, q_stride_h, k, v, kv_stride_block, kv_stride_tok, kv_stride_head,
+            # block_tables, bt_stride, context_lens, out, lse, part_o, part_ml, num_seqs, num_q_heads,
+            # num_kv_heads, block_size_log2, max_blocks_per_seq, num_blocks, num_partitions,
+            # partition_size, heads_per_block, scale, device, stream
+            ("hk_paged_attention_decode", "i32",
+             ("ptr", "i64", "i64", "ptr", "ptr", "i64", "i64", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr",
+              "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+        ),
+    },
 }
 
 

@@ -1,5 +1,6 @@
 """Public ops. Each module validates its arguments, registers torch.ops.hipkern.<op>, and dispatches
 to a JIT-built HIP module."""
+from .paged_attention import paged_attention_decode
 from .topk_softmax import topk_softmax
 
-__all__ = ["topk_softmax"]
+__all__ = ["paged_attention_decode", "topk_softmax"]

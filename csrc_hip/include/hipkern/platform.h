@@ -48,6 +48,8 @@ typedef cudaStream_t hipStream_t;
 #define hipSetDevice cudaSetDevice
 #define hipFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
 #define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define hipDeviceGetAttribute cudaDeviceGetAttribute
+#define hipDeviceAttributeMultiprocessorCount cudaDevAttrMultiProcessorCount
 #define HIP_KERNEL_NAME(...) __VA_ARGS__
 #define hipLaunchKernelGGL(kernel, grid, block, shmem, stream, ...) \
   kernel<<<(grid), (block), (shmem), (stream)>>>(__VA_ARGS__)
@@ -83,6 +85,17 @@ HK_DEVICE T shfl(T v, int src_lane, int width = kWaveSize) {
   return __shfl(v, src_lane, width);
 #else
   return __shfl_sync(kFullMask, v, src_lane, width);
+#endif
+}
+
+// Orders memory among the lanes of one wave (shared-memory handoff inside a wave).
+HK_DEVICE void wave_sync() {
+#if defined(HK_PLATFORM_HIP)
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+#else
+  __syncwarp();
 #endif
 }
 

@@ -1,0 +1,108 @@
+"""paged_attention_decode: the reference logs' table, plus each variant, bandwidth and torch baselines.
+
+Naive: a per-sequence torch loop (gather, matmuls in bf16), as in the reference log. SDPA gather:
+gather the paged K/V into contiguous tensors, then scaled_dot_product_attention(enable_gqa=True).
+SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes: the K/V rows actually
+read (each once), plus Q and O.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import hipkern
+from hipkern.ops.paged_attention import VARIANTS, default_variant
+from hipkern.reference import paged_attention_ref
+from hipkern.testing import BenchTable, checkAllclose, run_perftest
+
+from . import COPY_BW_TBPS
+
+BLOCK = 16
+REFERENCE_GRID = [(b, c, hq, hkv, d) for hq, hkv, d in ((64, 1, 256), (64, 8, 128))
+                  for b in (1, 8, 16, 32) for c in (256, 2048)]
+LARGE_GRID = [(b, c, 32, 8, 128) for b in (64, 128) for c in (4096, 16384, 32768)]
+
+
+def make_inputs(lens, hq, hkv, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = [math.ceil(n / BLOCK) for n in lens]
+    max_blocks = max(nblk)
+    total = len(lens) * max_blocks
+    k = torch.randn((total, BLOCK, hkv, d), generator=g, device="cuda", dtype=dtype)
+    v = torch.randn((total, BLOCK, hkv, d), generator=g, device="cuda", dtype=dtype)
+    bt = torch.randperm(total, generator=g, device="cuda").view(len(lens), max_blocks).to(torch.int32)
+    q = torch.randn((len(lens), hq, d), generator=g, device="cuda", dtype=dtype)
+    cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, k, v, bt, cl
+
+
+def gather_kv(k, v, bt, n):
+    """Contiguous [S, Hkv, n, D] copies of each sequence's first n tokens."""
+    s, nb = bt.shape
+    kk = k[bt.long()].reshape(s, nb * BLOCK, *k.shape[2:])[:, :n].transpose(1, 2)
+    vv = v[bt.long()].reshape(s, nb * BLOCK, *v.shape[2:])[:, :n].transpose(1, 2)
+    return kk, vv
+
+
+def sdpa(q, kk, vv, mask):
+    return F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=mask, enable_gqa=True).squeeze(2)
+
+
+def sdpa_gather(q, k, v, bt, n, mask):
+    kk, vv = gather_kv(k, v, bt, n)
+    return sdpa(q, kk, vv, mask)
+
+
+def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
+    q, k, v, bt, cl = make_inputs(lens, hq, hkv, d)
+    n = max(lens)
+    mask = (torch.arange(n, device="cuda")[None, :] < cl[:, None]).view(len(lens), 1, 1, n)
+    ref, _ = paged_attention_ref(q, k, v, bt, cl)
+    out = hipkern.paged_attention_decode(q, k, v, bt, cl)
+    err = checkAllclose(out, ref, atol=8e-3, rtol=8e-3, msg=f"{name} ")
+    del ref
+    times = {}
+    for var in VARIANTS:
+        o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=var)
+        err = max(err, checkAllclose(o, out, atol=8e-3, rtol=8e-3, msg=f"{name} {var} ", printLog=False))
+        _, times[var] = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl, variant=var, num_iters=iters)
+    chosen = default_variant(q, k, bt, "NHD")
+    best = min(times, key=times.get)
+    _, naive_us = run_perftest(paged_attention_ref, q, k, v, bt, cl, compute_dtype=q.dtype, num_iters=naive_iters,
+                               num_warmup=1)
+    _, gather_us = run_perftest(sdpa_gather, q, k, v, bt, n, mask, num_iters=max(3, iters // 4), num_warmup=2)
+    kk, vv = gather_kv(k, v, bt, n)
+    kk, vv = kk.contiguous(), vv.contiguous()
+    _, contig_us = run_perftest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 4), num_warmup=2)
+    del kk, vv
+    nbytes = sum(lens) * hkv * d * 2 * q.element_size() + 2 * q.numel() * q.element_size()
+    us = times[chosen]
+    tbps = nbytes / us / 1e6
+    table.add(BatchSize=len(lens), ContextLen=n if name != "mixed" else f"mixed<= {n}", NumQHeads=hq,
+              NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us, Custom_Time_us=us, Speedup=naive_us / us,
+              Variant=chosen, KV_MB=nbytes / 1e6, TBps=tbps, Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
+              SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Best_Variant=best, Best_us=times[best],
+              **{f"{v}_us": times[v] for v in VARIANTS}, Check="passed" if err == 0 else "FAILED")
+    return err != 0
+
+
+def main(out_dir: Path, quick: bool = False) -> int:
+    cols = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
+            "Speedup", "Variant", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
+            "Best_Variant", "Best_us", *[f"{v}_us" for v in VARIANTS], "Check"]
+    table = BenchTable(cols, title="# paged_attention_decode (bf16, block 16, NHD)")
+    failures = 0
+    iters = 10 if quick else 50
+    shapes = [("ref", [c] * b, hq, hkv, d, iters, 5) for b, c, hq, hkv, d in REFERENCE_GRID]
+    shapes += [("large", [c] * b, hq, hkv, d, iters, 2) for b, c, hq, hkv, d in LARGE_GRID]
+    mixed = torch.randint(1, 4097, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    shapes.append(("mixed", mixed, 32, 8, 128, iters, 5))
+    for name, lens, hq, hkv, d, it, nit in shapes:
+        failures += bench_shape(table, name, lens, hq, hkv, d, it, nit)
+        torch.cuda.empty_cache()
+    table.print()
+    table.to_csv(out_dir / "paged_attention.csv")
+    return failures

@@ -1,0 +1,226 @@
+"""Paged-attention decode: ``paged_attention_decode(query, key_cache, value_cache, block_tables,
+context_lens, *, scale=None, kv_layout="NHD", out=None, return_lse=False, variant=None)``.
+
+Variants are policies over one kernel family (csrc_hip/paged_attention/): they differ in how the
+context is split across the grid. Each is registered here with the domain it supports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, raw_stream
+
+__all__ = ["paged_attention_decode", "VARIANTS", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
+
+HEAD_SIZES = (64, 128, 256)
+KV_LAYOUTS = ("NHD", "HND")  # [blocks, block_size, kv_heads, D] / [blocks, kv_heads, block_size, D]
+MAX_GQA = 64
+DTYPES = (torch.float16, torch.bfloat16)
+TILE = 256  # tokens one block takes per step on any target (4 waves x up to 64 lanes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    num_partitions: int
+    partition_size: int  # tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    idea: str
+    plan: callable  # (Shape) -> Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_seqs: int
+    num_kv_heads: int
+    group: int
+    max_tokens: int  # what a block-table row addresses: an upper bound of every context length
+    sm_count: int
+
+    @property
+    def heads_per_block(self) -> int:
+        return min(8, 1 << (self.group - 1).bit_length())
+
+    @property
+    def blocks(self) -> int:  # thread blocks of one partition
+        return self.num_seqs * self.num_kv_heads * math.ceil(self.group / self.heads_per_block)
+
+
+def _split(shape: Shape, partition_size: int) -> Plan:
+    parts = max(1, math.ceil(shape.max_tokens / partition_size))
+    return Plan(1, shape.max_tokens) if parts == 1 else Plan(parts, partition_size)
+
+
+def _plan_hybrid(shape: Shape, min_partition: int = 512) -> Plan:
+    """v3: one pass when the batch alone fills the GPU; else split each context into enough
+    partitions for ~4 blocks per SM, at least `min_partition` tokens each."""
+    if shape.blocks >= 2 * shape.sm_count or shape.max_tokens <= min_partition:
+        return Plan(1, shape.max_tokens)
+    want = math.ceil(4 * shape.sm_count / shape.blocks)
+    size = max(min_partition, math.ceil(shape.max_tokens / want / TILE) * TILE)
+    return _split(shape, size)
+
+
+VARIANTS = {
+    "v3": Variant("v3", "hybrid split-K: single pass when the batch fills the GPU, else flash-decoding "
+                  "partitions sized for ~4 blocks per SM, merged by LSE", _plan_hybrid),
+    "v9": Variant("v9", "multi-warp GQA block over fixed 512-token partitions (always split-K)",
+                  lambda shape: _split(shape, 512)),
+}
+PLANNED = ("v4", "v5", "v6", "v7", "v16")  # named by the design, not built yet
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _cache_dims(kv_layout, cache):
+    if kv_layout == "NHD":
+        nb, bs, hkv, d = cache.shape
+        return nb, bs, hkv, d, cache.stride(0), cache.stride(1), cache.stride(2)
+    nb, hkv, bs, d = cache.shape
+    return nb, bs, hkv, d, cache.stride(0), cache.stride(2), cache.stride(1)
+
+
+def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
+              variant):
+    check_tensor("query", query, ndim=3, dtypes=DTYPES, contiguous=False, gpu=False)
+    if query.stride(-1) != 1:
+        raise ValueError("query must have a contiguous last (head) dimension")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_tensor(name, c, ndim=4, dtypes=(query.dtype,), contiguous=False, gpu=False)
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last (head) dimension")
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value_cache must have the shape and strides of key_cache, got "
+                         f"{tuple(value_cache.shape)}/{value_cache.stride()} vs {tuple(key_cache.shape)}/{key_cache.stride()}")
+    num_seqs, num_q_heads, head_size = query.shape
+    nb, bs, hkv, d, sb, st, sh = _cache_dims(kv_layout, key_cache)
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"query head size must be one of {HEAD_SIZES}, got {head_size}")
+    if d != head_size:
+        raise ValueError(f"key_cache head size {d} (layout {kv_layout}) differs from query's {head_size}")
+    if bs < 1 or bs & (bs - 1) or bs > 1024:
+        raise ValueError(f"key_cache block size must be a power of two up to 1024 (layout {kv_layout}), got {bs}")
+    if hkv < 1 or num_q_heads % hkv:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of key_cache's KV heads ({hkv}, "
+                         f"layout {kv_layout})")
+    if num_q_heads // hkv > MAX_GQA:
+        raise ValueError(f"GQA ratio query heads / KV heads must be at most {MAX_GQA}, got {num_q_heads // hkv}")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.data_ptr() % 16 or sb % 8 or st % 8 or sh % 8:
+            raise ValueError(f"{name} rows must be 16-byte aligned (data pointer and strides of multiples of 8 "
+                             f"elements), got strides {c.stride()}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), contiguous=False, gpu=False)
+    if block_tables.shape[0] != num_seqs or block_tables.stride(-1) != 1 or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq >= 1] with a contiguous "
+                         f"last dimension, got {tuple(block_tables.shape)} strides {block_tables.stride()}")
+    if block_tables.shape[1] * bs >= 2**31:
+        raise ValueError(f"block_tables addresses {block_tables.shape[1] * bs} tokens per sequence; at most 2^31-1")
+    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(num_seqs,), gpu=False)
+    if not 1 <= num_seqs <= 65535:
+        raise ValueError(f"query must hold 1..65535 sequences, got {num_seqs}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if variant is not None and variant not in VARIANTS:
+        planned = f" ({variant} is designed but not built yet)" if variant in PLANNED else ""
+        raise ValueError(f"variant must be None or one of {sorted(VARIANTS)}, got {variant!r}{planned}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(query.dtype,), shape=tuple(query.shape), gpu=False)
+    dev = query.device
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
+               "context_lens": context_lens}
+    if out is not None:
+        tensors["out"] = out
+    check_tensor("query", query, contiguous=False)
+    check_device(dev, **tensors)
+
+
+lib.define("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+           "Tensor context_lens, float scale, str kv_layout, str variant, Tensor(a!) out, Tensor(b!) lse) -> ()")
+
+
+def _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
+    num_seqs, num_q_heads, head_size = query.shape
+    nb, bs, hkv, _, sb, st, sh = _cache_dims(kv_layout, key_cache)
+    dev = query.get_device()
+    shape = Shape(num_seqs, hkv, num_q_heads // hkv, block_tables.shape[1] * bs, _sm_count(dev))
+    plan = VARIANTS[variant].plan(shape)
+    part_o = part_ml = None
+    if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
+        part_o = torch.empty((num_seqs, num_q_heads, plan.num_partitions, head_size), dtype=torch.float32,
+                             device=query.device)
+        part_ml = torch.empty((num_seqs, num_q_heads, plan.num_partitions, 2), dtype=torch.float32,
+                              device=query.device)
+    mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
+    rc = mod.hk_paged_attention_decode(
+        query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), sb, st, sh,
+        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
+        lse.data_ptr() if lse.numel() else None, part_o.data_ptr() if part_o is not None else None,
+        part_ml.data_ptr() if part_ml is not None else None, num_seqs, num_q_heads, hkv, bs.bit_length() - 1,
+        block_tables.shape[1], nb, plan.num_partitions, plan.partition_size, shape.heads_per_block, scale, dev,
+        raw_stream(dev))
+    if rc:
+        mod.check(rc, "paged_attention_decode")
+
+
+lib.impl("paged_attention_decode", _launch, "CUDA")
+
+
+@torch.library.register_fake("hipkern::paged_attention_decode")
+def _fake(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
+    return None
+
+
+def default_variant(query, key_cache, block_tables, kv_layout) -> str:
+    """The variant used when none is asked for (the tuning database will refine this)."""
+    return "v3"
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
+                           kv_layout="NHD", out=None, return_lse=False, variant=None):
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    Args:
+        query: [num_seqs, num_q_heads, head_size] float16/bfloat16 (head dim contiguous), head_size
+            64, 128 or 256; 1 <= num_seqs <= 65535.
+        key_cache, value_cache: same dtype, same shape and strides; "NHD": [num_blocks, block_size,
+            num_kv_heads, head_size], "HND": [num_blocks, num_kv_heads, block_size, head_size]; block_size
+            a power of two <= 1024; rows 16-byte aligned. Any number of blocks (offsets are 64-bit).
+        block_tables: int32 [num_seqs, max_blocks_per_seq]: physical block of each logical block (blocks
+            may be shared). Ids outside [0, num_blocks) are skipped (never read).
+        context_lens: int32 [num_seqs]; 0 gives a zero output row and an LSE of -inf. Lengths are
+            clamped to [0, max_blocks_per_seq * block_size].
+        scale: softmax scale, default 1/sqrt(head_size).
+        out: optional output [num_seqs, num_q_heads, head_size] (query's dtype), written in place.
+        return_lse: also return the natural-log LSE of each (sequence, head), float32.
+        variant: None (the default policy) or one of VARIANTS.
+
+    Returns out, or (out, lse). fp32 accumulation; num_q_heads / num_kv_heads from 1 to 64. No host
+    sync and workspaces sized from shapes only: safe under CUDA-graph capture and torch.compile.
+    """
+    _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
+              variant)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    variant = variant or default_variant(query, key_cache, block_tables, kv_layout)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty(query.shape[:2] if return_lse else (0,), dtype=torch.float32, device=query.device)
+    if torch.compiler.is_compiling():
+        torch.ops.hipkern.paged_attention_decode.default(query, key_cache, value_cache, block_tables, context_lens,
+                                                         scale, kv_layout, variant, out, lse)
+    else:
+        _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse)
+    return (out, lse) if return_lse else out

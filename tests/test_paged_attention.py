@@ -1,0 +1,225 @@
+"""paged_attention_decode against a float32 per-sequence torch reference, every variant."""
+import math
+
+import pytest
+import torch
+
+import hipkern
+from hipkern.ops.paged_attention import VARIANTS
+from hipkern.reference import paged_attention_ref
+from hipkern.testing import checkAllclose, poison
+
+# Output: fp32 accumulation rounded once to the output dtype (half an ulp: 2^-9 bf16, 2^-12 fp16).
+TOL = {torch.bfloat16: dict(atol=8e-3, rtol=8e-3), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+LSE_TOL = dict(atol=1e-3, rtol=1e-4)
+VARIANT_NAMES = sorted(VARIANTS)
+
+
+def make_case(lens, num_kv_heads=2, group=4, head_size=128, block_size=16, dtype=torch.bfloat16, layout="NHD",
+              extra_blocks=3, shared=False, seed=0, num_blocks=None):
+    """Random q/K/V, a random (non-contiguous) block table covering `lens`, context_lens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = list(lens)
+    max_blocks = max(1, max(math.ceil(n / block_size) for n in lens)) + extra_blocks
+    need = len(lens) * max_blocks
+    num_blocks = num_blocks or (need // 2 + 1 if shared else need + 7)
+    shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"
+             else (num_blocks, num_kv_heads, block_size, head_size))
+    k = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    v = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    q = torch.randn(len(lens), num_kv_heads * group, head_size, generator=g, device="cuda").to(dtype)
+    if shared:  # blocks drawn with replacement: sequences share blocks
+        bt = torch.randint(0, num_blocks, (len(lens), max_blocks), generator=g, device="cuda", dtype=torch.int32)
+    else:
+        bt = torch.randperm(num_blocks, generator=g, device="cuda")[:need].view(len(lens), max_blocks).to(torch.int32)
+    cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, k, v, bt, cl
+
+
+def run_and_check(case, layout="NHD", variant=None, scale=None, msg=""):
+    q, k, v, bt, cl = case
+    out = poison(torch.empty_like(q))
+    o, lse = hipkern.paged_attention_decode(q, k, v, bt, cl, kv_layout=layout, out=out, return_lse=True,
+                                            variant=variant, scale=scale)
+    assert o is out
+    ref, ref_lse = paged_attention_ref(q, k, v, bt, cl, scale=scale, kv_layout=layout)
+    assert checkAllclose(o, ref, msg=f"{msg}out ", **TOL[q.dtype]) == 0
+    assert checkAllclose(lse, ref_lse, msg=f"{msg}lse ", **LSE_TOL) == 0
+    return o, lse
+
+
+def edge_lengths(block_size, partition=512):
+    return sorted({1, block_size - 1, block_size, block_size + 1, partition - 1, partition, partition + 1,
+                   2 * partition - 1, 2 * partition + 1, 2048} - {0})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("group", [1, 4, 8, 64])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(dtype, head_size, block_size, group, layout, variant):
+    case = make_case(edge_lengths(block_size), num_kv_heads=2 if group < 64 else 1, group=group,
+                     head_size=head_size, block_size=block_size, dtype=dtype, layout=layout,
+                     seed=head_size + block_size + group)
+    run_and_check(case, layout, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("group", [1, 3, 6, 8, 12])
+def test_odd_gqa_ratios_and_scale(variant, group):
+    case = make_case([1, 100, 700], num_kv_heads=3, group=group, seed=group)
+    run_and_check(case, variant=variant, scale=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_mixed_lengths_with_zeros_and_shared_blocks(variant):
+    lens = torch.randint(0, 4097, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    lens[3] = 0
+    lens[17] = 0
+    case = make_case(lens, num_kv_heads=8, group=4, shared=True)
+    o, lse = run_and_check(case, variant=variant)
+    assert (o[3] == 0).all() and (lse[3] == -math.inf).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("n", [32768, 131072])
+def test_long_contexts(variant, n):
+    case = make_case([n, n // 2 + 3], num_kv_heads=2, group=8, head_size=128)
+    run_and_check(case, variant=variant)
+
+
+@pytest.mark.gpu
+def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end():
+    nb, bs, hkv, d = 70000, 16, 8, 256  # 2.29e9 elements per cache
+    k = torch.empty((nb, bs, hkv, d), dtype=torch.bfloat16, device="cuda")
+    v = torch.empty_like(k)
+    far = torch.arange(nb - 40, nb, device="cuda", dtype=torch.int32)
+    k[far.long()] = torch.randn((40, bs, hkv, d), device="cuda").to(torch.bfloat16)
+    v[far.long()] = torch.randn((40, bs, hkv, d), device="cuda").to(torch.bfloat16)
+    bt = far.flip(0).view(2, 20).contiguous()
+    q = torch.randn(2, hkv * 4, d, device="cuda").to(torch.bfloat16)
+    cl = torch.tensor([20 * bs, 7 * bs + 5], dtype=torch.int32, device="cuda")
+    assert k.numel() > 2**31
+    for variant in VARIANT_NAMES:
+        run_and_check((q, k, v, bt, cl), variant=variant)
+
+
+@pytest.mark.gpu
+def test_invalid_metadata_never_reads_out_of_bounds():
+    q, k, v, bt, cl = make_case([40, 40], num_kv_heads=1, group=4)
+    bt[0, 1] = -5
+    bt[1, 0] = k.shape[0] + 1000
+    cl[1] = 10**6  # beyond what the block-table row addresses: clamped
+    for variant in VARIANT_NAMES:
+        o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)
+        assert torch.isfinite(o).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_cuda_graph_replay_with_new_lengths_and_tables(variant):
+    q, k, v, bt, cl = make_case([300, 1000, 5], num_kv_heads=2, group=8, extra_blocks=70)
+    out = torch.empty_like(q)
+    hipkern.paged_attention_decode(q, k, v, bt, cl, out=out, variant=variant)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hipkern.paged_attention_decode(q, k, v, bt, cl, out=out, variant=variant)
+    for seed, lens in enumerate([[1, 2000, 1100], [0, 17, 1500], [1100, 1, 513]]):
+        _, k2, v2, bt2, cl2 = make_case(lens, num_kv_heads=2, group=8, extra_blocks=70 - (max(lens) > 1100) * 32,
+                                        seed=seed + 10, num_blocks=k.shape[0])
+        k.copy_(k2), v.copy_(v2), bt.copy_(bt2[:, : bt.shape[1]]), cl.copy_(cl2)
+        poison(out)
+        graph.replay()
+        ref, _ = paged_attention_ref(q, k, v, bt, cl)
+        assert checkAllclose(out, ref, **TOL[q.dtype]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_deterministic(variant):
+    q, k, v, bt, cl = make_case([3000, 77, 1500], num_kv_heads=4, group=8)
+    first = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)
+    for _ in range(5):
+        assert torch.equal(hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant), first)
+
+
+@pytest.mark.gpu
+def test_torch_compile():
+    q, k, v, bt, cl = make_case([100, 900], num_kv_heads=2, group=4)
+
+    def f(q, k, v, bt, cl):
+        return hipkern.paged_attention_decode(q, k, v, bt, cl) * 2
+
+    out = torch.compile(f, fullgraph=True)(q, k, v, bt, cl)
+    ref, _ = paged_attention_ref(q, k, v, bt, cl)
+    assert checkAllclose(out / 2, ref, **TOL[q.dtype]) == 0
+
+
+# ------------------------------------------------------------------------ validation (any device)
+def _cpu_case(layout="NHD", **kw):
+    s, hq, hkv, d, bs, nb = 2, 8, 2, 128, 16, 10
+    shape = (nb, bs, hkv, d) if layout == "NHD" else (nb, hkv, bs, d)
+    c = dict(query=torch.randn(s, hq, d, dtype=torch.bfloat16), key_cache=torch.randn(shape, dtype=torch.bfloat16),
+             value_cache=torch.randn(shape, dtype=torch.bfloat16), block_tables=torch.zeros(s, 4, dtype=torch.int32),
+             context_lens=torch.ones(s, dtype=torch.int32))
+    c.update(kw)
+    return c
+
+
+def _call(c, **kw):
+    args = [c.pop(n) for n in ("query", "key_cache", "value_cache", "block_tables", "context_lens")]
+    return hipkern.paged_attention_decode(*args, **c, **kw)
+
+
+@pytest.mark.parametrize("change,kw,match", [
+    (dict(query=torch.randn(2, 8, 128)), {}, "query must be one of float16, bfloat16, got float32"),
+    (dict(query=torch.randn(2, 8, 96, dtype=torch.bfloat16)), {}, "query head size must be one of"),
+    (dict(query=torch.randn(2, 8, dtype=torch.bfloat16)), {}, "query must have 3 dimensions"),
+    (dict(query=torch.randn(2, 128, 8, dtype=torch.bfloat16).transpose(1, 2)), {}, "contiguous last"),
+    (dict(key_cache=torch.randn(10, 16, 2, 128, dtype=torch.float16)), {}, "key_cache must be one of bfloat16"),
+    (dict(value_cache=torch.randn(10, 16, 2, 64, dtype=torch.bfloat16)), {}, "value_cache must have the shape"),
+    (dict(key_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16),
+          value_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16)), {}, r"multiple of key_cache's KV heads"),
+    (dict(key_cache=torch.randn(10, 12, 2, 128, dtype=torch.bfloat16),
+          value_cache=torch.randn(10, 12, 2, 128, dtype=torch.bfloat16)), {}, "block size must be a power of two"),
+    (dict(query=torch.randn(2, 9, 128, dtype=torch.bfloat16)), {}, "multiple of key_cache.s KV heads"),
+    (dict(block_tables=torch.zeros(2, 4, dtype=torch.int64)), {}, "block_tables must be one of int32"),
+    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), {}, r"block_tables must be \[num_seqs=2"),
+    (dict(context_lens=torch.ones(3, dtype=torch.int32)), {}, r"context_lens must have shape \(2,\)"),
+    (dict(context_lens=torch.ones(2, dtype=torch.int64)), {}, "context_lens must be one of int32"),
+    ({}, dict(kv_layout="NDH"), "kv_layout must be one of"),
+    ({}, dict(variant="v99"), "variant must be None or one of"),
+    ({}, dict(variant="v16"), "v16 is designed but not built yet"),
+    ({}, dict(scale=float("nan")), "scale must be a finite float"),
+    ({}, dict(return_lse=1), "return_lse must be a bool"),
+    ({}, dict(out=torch.empty(2, 8, 64, dtype=torch.bfloat16)), r"out must have shape \(2, 8, 128\)"),
+    ({}, {}, "query must be on a GPU"),
+])
+def test_bad_arguments_raise_value_error(change, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _call(_cpu_case(**change), **kw)
+
+
+def test_gqa_above_64_rejected():
+    c = _cpu_case(query=torch.randn(2, 130, 128, dtype=torch.bfloat16),
+                  key_cache=torch.randn(10, 16, 1, 128, dtype=torch.bfloat16),
+                  value_cache=torch.randn(10, 16, 1, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="GQA ratio query heads / KV heads must be at most 64, got 130"):
+        _call(c)
+
+
+def test_reference_handles_both_layouts():
+    c = _cpu_case()
+    k_hnd, v_hnd = c["key_cache"].transpose(1, 2).contiguous(), c["value_cache"].transpose(1, 2).contiguous()
+    c["block_tables"] = torch.tensor([[3, 1, 0, 2], [5, 6, 7, 8]], dtype=torch.int32)
+    c["context_lens"] = torch.tensor([40, 0], dtype=torch.int32)
+    a = paged_attention_ref(c["query"], c["key_cache"], c["value_cache"], c["block_tables"], c["context_lens"])
+    b = paged_attention_ref(c["query"], k_hnd, v_hnd, c["block_tables"], c["context_lens"], kv_layout="HND")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert (a[0][1] == 0).all() and (a[1][1] == -math.inf).all()
