@@ -130,10 +130,11 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(variant):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         hipkern.paged_attention_decode(q, k, v, bt, cl, out=out, variant=variant)
-    for seed, lens in enumerate([[1, 2000, 1100], [0, 17, 1500], [1100, 1, 513]]):
-        _, k2, v2, bt2, cl2 = make_case(lens, num_kv_heads=2, group=8, extra_blocks=70 - (max(lens) > 1100) * 32,
-                                        seed=seed + 10, num_blocks=k.shape[0])
-        k.copy_(k2), v.copy_(v2), bt.copy_(bt2[:, : bt.shape[1]]), cl.copy_(cl2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for lens in ([1, 2000, 1100], [0, 17, 1500], [1100, 1, 513]):
+        k.copy_(torch.randn(k.shape, generator=g, device="cuda")), v.copy_(torch.randn(v.shape, generator=g, device="cuda"))
+        bt.copy_(torch.randperm(k.shape[0], generator=g, device="cuda")[: bt.numel()].view(bt.shape))
+        cl.copy_(torch.tensor(lens, dtype=torch.int32))
         poison(out)
         graph.replay()
         ref, _ = paged_attention_ref(q, k, v, bt, cl)
@@ -184,6 +185,8 @@ def _call(c, **kw):
     (dict(query=torch.randn(2, 128, 8, dtype=torch.bfloat16).transpose(1, 2)), {}, "contiguous last"),
     (dict(key_cache=torch.randn(10, 16, 2, 128, dtype=torch.float16)), {}, "key_cache must be one of bfloat16"),
     (dict(value_cache=torch.randn(10, 16, 2, 64, dtype=torch.bfloat16)), {}, "value_cache must have the shape"),
+    (dict(key_cache=torch.randn(10, 16, 2, 136, dtype=torch.bfloat16)[..., :128],
+          value_cache=torch.randn(10, 16, 2, 136, dtype=torch.bfloat16)[..., :128]), {}, "strides must be multiples of 8"),
     (dict(key_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16),
           value_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16)), {}, r"multiple of key_cache's KV heads"),
     (dict(key_cache=torch.randn(10, 12, 2, 128, dtype=torch.bfloat16),

@@ -6,8 +6,10 @@
 //   QK^T: lane t reads token t's K row with 16-byte loads and dots it with the (scaled) queries,
 //         which every lane reads from shared memory as broadcasts;
 //   softmax: online, in the log2 domain, per head (wave max; per-lane partial sums);
-//   PV:   the lanes split the head dimension; each token's V row is one coalesced wave load,
-//         weighted by the probabilities the QK step left in shared memory.
+//   PV:   the lanes split the head dimension; each token's V row is weighted by the probabilities
+//         the QK step left in shared memory. Where the target copies asynchronously (sm_80+), the
+//         tile's V rows are staged into shared memory by coalesced copies issued before the K loads,
+//         so their latency hides behind QK^T; elsewhere PV reads them from global memory.
 // The waves' states merge through shared memory. With one partition the block writes the output;
 // with several (flash-decoding split-K) it writes an unnormalised partial and its (m, l), and
 // merge_kernel combines the partials of each (sequence, head). All cache offsets are 64-bit.
@@ -46,12 +48,14 @@ struct Params {
   float scale_log2;  // softmax scale * log2(e)
 };
 
-template <int D, int HPB>
+template <typename T, int D, int HPB>
 struct Smem {  // floats; the merge area reuses the tile area once every wave is done
+  static constexpr bool stage_v = kAsyncCopy;
   static constexpr int q = HPB * D;
   static constexpr int p = kWaves * kWaveSize * HPB;
   static constexpr int off = 2 * kWaves * kWaveSize;  // int64 row offsets, as pairs of floats
-  static constexpr int tile = q + p + off;
+  static constexpr int v = stage_v ? kWaves * kWaveSize * D * (int)sizeof(T) / 4 : 0;  // V tiles
+  static constexpr int tile = q + p + off + v;
   static constexpr int merge = 2 * kWaves * HPB + kWaves * HPB * D;
   static constexpr int bytes = 4 * (tile > merge ? tile : merge);
 };
@@ -69,11 +73,12 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
   constexpr int KV = 16 / sizeof(T);  // K elements per 16-byte load
   constexpr int DPL = D / W;          // head dims per lane in PV
   static_assert(D % KV == 0 && D % W == 0, "head size");
-  typedef Smem<D, HPB> S;
+  typedef Smem<T, D, HPB> S;
   extern __shared__ float smem[];
   float* q_s = smem;
   float* p_s = q_s + S::q;
   int64_t* off_s = reinterpret_cast<int64_t*>(p_s + S::p);
+  T* v_s = reinterpret_cast<T*>(off_s + kWaves * kWaveSize);
 
   const int hgroups = (p.group + HPB - 1) / HPB;
   const int kvh = blockIdx.x / hgroups;
@@ -102,6 +107,10 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
   const int bs_mask = (1 << p.block_size_log2) - 1;
   float* my_p = p_s + wave * W * HPB;
   int64_t* my_off = off_s + wave * W;
+  T* my_v = v_s + wave * W * D;
+  constexpr int kChunks = D / KV;            // 16-byte chunks of a row
+  constexpr int kRowsPerStep = W / kChunks;  // rows a wave copies per step (D <= 8 * W)
+  static_assert(kChunks <= W, "one row per wave step at most");
 
   float m[HPB], l[HPB], acc[HPB][DPL];
 #pragma unroll
@@ -119,8 +128,18 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
     for (int h = 0; h < HPB; ++h) s[h] = 0.f;
     int64_t off = 0;  // token t's row; an id outside the cache masks the token instead
     const int blk = t < end ? bt[t >> p.block_size_log2] : -1;
-    if (blk >= 0 && blk < p.num_blocks) {
-      off = (int64_t)blk * p.kv_stride_block + (int64_t)(t & bs_mask) * p.kv_stride_tok;
+    const bool present = blk >= 0 && blk < p.num_blocks;
+    if (present) off = (int64_t)blk * p.kv_stride_block + (int64_t)(t & bs_mask) * p.kv_stride_tok;
+    const int n = min(W, end - t0);
+    if constexpr (S::stage_v) {  // start this tile's V rows on their way to shared memory
+      my_off[lane] = off;
+      wave_sync();
+      for (int r = lane / kChunks; r < n; r += kRowsPerStep) {
+        const int c = lane % kChunks;
+        async_copy16(my_v + r * D + c * KV, vbase + my_off[r] + c * KV);
+      }
+    }
+    if (present) {
       const T* krow = kbase + off;
 #pragma unroll
       for (int c = 0; c < D / KV; ++c) {
@@ -136,7 +155,7 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
 #pragma unroll
       for (int h = 0; h < HPB; ++h) s[h] = -INFINITY;
     }
-    my_off[lane] = off;
+    if constexpr (!S::stage_v) my_off[lane] = off;
 #pragma unroll
     for (int h = 0; h < HPB; ++h) {
       const float mn = fmaxf(m[h], group_max<W>(s[h]));
@@ -148,12 +167,16 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
       m[h] = mn;
       my_p[lane * HPB + h] = pr;
     }
+    if constexpr (S::stage_v) async_copy_wait();
     wave_sync();
-    const int n = min(W, end - t0);
 #pragma unroll 4
     for (int i = 0; i < n; ++i) {
       float vf[DPL];
-      load_as_float<T, DPL>(vbase + my_off[i] + lane * DPL, vf);
+      if constexpr (S::stage_v) {
+        load_as_float<T, DPL>(my_v + i * D + lane * DPL, vf);
+      } else {
+        load_as_float<T, DPL>(vbase + my_off[i] + lane * DPL, vf);
+      }
 #pragma unroll
       for (int h = 0; h < HPB; ++h) {
         const float pr = my_p[i * HPB + h];
@@ -161,7 +184,7 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
         for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
       }
     }
-    wave_sync();  // the next tile overwrites my_p / my_off
+    wave_sync();  // the next tile overwrites my_p / my_off / my_v
   }
 #pragma unroll
   for (int h = 0; h < HPB; ++h) l[h] = group_sum<W>(l[h]);
@@ -233,7 +256,15 @@ template <typename T, int D, int HPB>
 int launch(const Params& p, int num_seqs, int num_kv_heads, hipStream_t stream) {
   const int hgroups = (p.group + HPB - 1) / HPB;
   const dim3 grid((unsigned)(num_kv_heads * hgroups), (unsigned)num_seqs, (unsigned)p.num_partitions);
-  constexpr int kSmemBytes = Smem<D, HPB>::bytes;
+  constexpr int kSmemBytes = Smem<T, D, HPB>::bytes;
+  if (kSmemBytes > 48 * 1024) {  // above the default dynamic limit: opt in (once per kernel)
+    static bool raised = false;
+    if (!raised) {
+      HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(&decode_kernel<T, D, HPB>),
+                                   hipFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      raised = true;
+    }
+  }
   hipLaunchKernelGGL(HIP_KERNEL_NAME(decode_kernel<T, D, HPB>), grid, dim3(kThreads), kSmemBytes, stream, p);
   HK_CHECK_LAUNCH("paged_attention decode_kernel");
   if (p.num_partitions > 1) {

@@ -149,6 +149,7 @@ class Module:
         abi = self._lib.hk_module_abi_version()
         if abi != ABI_VERSION:
             raise JitError(f"module {path} has ABI {abi}, this hipkern expects {ABI_VERSION}")
+        self._wave_size = self._lib.hk_wave_size()
         self._lib.hk_last_error.restype = ctypes.c_char_p
         self._lib.hk_last_error.argtypes = ()
         for name, restype, argtypes in spec.functions:
@@ -158,7 +159,7 @@ class Module:
             setattr(self, name, fn)
 
     def wave_size(self) -> int:
-        return self._lib.hk_wave_size()
+        return self._wave_size
 
     def last_error(self) -> str:
         return self._lib.hk_last_error().decode(errors="replace")

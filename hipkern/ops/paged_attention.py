@@ -20,7 +20,7 @@ HEAD_SIZES = (64, 128, 256)
 KV_LAYOUTS = ("NHD", "HND")  # [blocks, block_size, kv_heads, D] / [blocks, kv_heads, block_size, D]
 MAX_GQA = 64
 DTYPES = (torch.float16, torch.bfloat16)
-TILE = 256  # tokens one block takes per step on any target (4 waves x up to 64 lanes)
+WAVES_PER_BLOCK = 4  # csrc_hip/paged_attention: a block takes 4 waves x wave-size tokens per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,7 @@ class Shape:
     group: int
     max_tokens: int  # what a block-table row addresses: an upper bound of every context length
     sm_count: int
+    tile: int  # tokens a block takes per step
 
     @property
     def heads_per_block(self) -> int:
@@ -58,14 +59,13 @@ def _split(shape: Shape, partition_size: int) -> Plan:
     return Plan(1, shape.max_tokens) if parts == 1 else Plan(parts, partition_size)
 
 
-def _plan_hybrid(shape: Shape, min_partition: int = 512) -> Plan:
+def _plan_hybrid(shape: Shape) -> Plan:
     """v3: one pass when the batch alone fills the GPU; else split each context into enough
-    partitions for ~4 blocks per SM, at least `min_partition` tokens each."""
-    if shape.blocks >= 2 * shape.sm_count or shape.max_tokens <= min_partition:
+    partitions for ~4 blocks per SM, each a whole number of block tiles."""
+    if shape.blocks >= 2 * shape.sm_count or shape.max_tokens <= shape.tile:
         return Plan(1, shape.max_tokens)
     want = math.ceil(4 * shape.sm_count / shape.blocks)
-    size = max(min_partition, math.ceil(shape.max_tokens / want / TILE) * TILE)
-    return _split(shape, size)
+    return _split(shape, math.ceil(shape.max_tokens / want / shape.tile) * shape.tile)
 
 
 VARIANTS = {
@@ -117,10 +117,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
                          f"layout {kv_layout})")
     if num_q_heads // hkv > MAX_GQA:
         raise ValueError(f"GQA ratio query heads / KV heads must be at most {MAX_GQA}, got {num_q_heads // hkv}")
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.data_ptr() % 16 or sb % 8 or st % 8 or sh % 8:
-            raise ValueError(f"{name} rows must be 16-byte aligned (data pointer and strides of multiples of 8 "
-                             f"elements), got strides {c.stride()}")
+    if sb % 8 or st % 8 or sh % 8:
+        raise ValueError(f"key_cache/value_cache rows must be 16-byte aligned: strides must be multiples of 8 "
+                         f"elements, got {key_cache.stride()}")
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), contiguous=False, gpu=False)
     if block_tables.shape[0] != num_seqs or block_tables.stride(-1) != 1 or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq >= 1] with a contiguous "
@@ -155,8 +154,13 @@ lib.define("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_
 def _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
     num_seqs, num_q_heads, head_size = query.shape
     nb, bs, hkv, _, sb, st, sh = _cache_dims(kv_layout, key_cache)
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.data_ptr() % 16:  # here, not in _validate: data pointers do not exist while tracing
+            raise ValueError(f"{name} must start at a 16-byte aligned address")
     dev = query.get_device()
-    shape = Shape(num_seqs, hkv, num_q_heads // hkv, block_tables.shape[1] * bs, _sm_count(dev))
+    mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
+    shape = Shape(num_seqs, hkv, num_q_heads // hkv, block_tables.shape[1] * bs, _sm_count(dev),
+                  WAVES_PER_BLOCK * mod.wave_size())
     plan = VARIANTS[variant].plan(shape)
     part_o = part_ml = None
     if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
@@ -164,7 +168,6 @@ def _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv
                              device=query.device)
         part_ml = torch.empty((num_seqs, num_q_heads, plan.num_partitions, 2), dtype=torch.float32,
                               device=query.device)
-    mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
     rc = mod.hk_paged_attention_decode(
         query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), sb, st, sh,
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),

@@ -99,6 +99,30 @@ HK_DEVICE void wave_sync() {
 #endif
 }
 
+// 16-byte global -> shared copies that complete asynchronously where the target has them (cp.async
+// on sm_80+): issue, do other work, then async_copy_wait() (this thread's copies) and a barrier
+// before other threads read them. kAsyncCopy says whether they really overlap.
+#if defined(HK_PLATFORM_CUDA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+constexpr bool kAsyncCopy = true;
+#else
+constexpr bool kAsyncCopy = false;
+#endif
+
+HK_DEVICE void async_copy16(void* smem, const void* gmem) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+HK_DEVICE void async_copy_wait() {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 HK_DEVICE lanemask_t ballot(bool pred) {
 #if defined(HK_PLATFORM_HIP)
   return __ballot(pred);
