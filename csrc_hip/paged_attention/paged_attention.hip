@@ -7,10 +7,9 @@
 //         which every lane reads from shared memory as broadcasts;
 //   softmax: online, in the log2 domain, per head (wave max; per-lane partial sums);
 //   PV:   the lanes split the head dimension; each token's V row is weighted by the probabilities
-//         the QK step left in shared memory.
-// Where the target copies asynchronously (sm_80+) and the head size is at most 128, each wave
-// double-buffers its K and V tiles in shared memory: coalesced async copies of tile i + 1 fly while
-// tile i is computed. Elsewhere K and V rows are read from global memory as the steps need them.
+//         the QK step left in shared memory. Where the target copies asynchronously (sm_80+), the
+//         tile's V rows are staged into shared memory by coalesced copies issued before the K loads,
+//         so their latency hides behind QK^T; elsewhere PV reads them from global memory.
 // The waves' states merge through shared memory. With one partition the block writes the output;
 // with several (flash-decoding split-K) it writes an unnormalised partial and its (m, l), and
 // merge_kernel combines the partials of each (sequence, head). All cache offsets are 64-bit.
@@ -49,20 +48,14 @@ struct Params {
   float scale_log2;  // softmax scale * log2(e)
 };
 
-// Shared memory, in floats. The merge area reuses the tile area once every wave is done.
 template <typename T, int D, int HPB>
-struct Smem {
-  // Double-buffered K and V tiles per wave, filled by async copies (sm_80+, head size <= 128:
-  // larger tiles would leave too few waves per SM); otherwise K and V are read from global memory.
-  static constexpr bool staged = kAsyncCopy && D <= 128;
-  static constexpr int k_row = D + 16 / (int)sizeof(T);  // K rows padded 16 bytes: lanes read rows conflict-free
-  static constexpr int k_tile = kWaveSize * k_row;       // elements of T
-  static constexpr int v_tile = kWaveSize * D;
+struct Smem {  // floats; the merge area reuses the tile area once every wave is done
+  static constexpr bool stage_v = kAsyncCopy;
   static constexpr int q = HPB * D;
   static constexpr int p = kWaves * kWaveSize * HPB;
-  static constexpr int off = 2 * 2 * kWaves * kWaveSize;  // int64 row offsets, two stages, as float pairs
-  static constexpr int kv = staged ? 2 * kWaves * (k_tile + v_tile) * (int)sizeof(T) / 4 : 0;
-  static constexpr int tile = q + p + off + kv;
+  static constexpr int off = 2 * kWaves * kWaveSize;  // int64 row offsets, as pairs of floats
+  static constexpr int v = stage_v ? kWaves * kWaveSize * D * (int)sizeof(T) / 4 : 0;  // V tiles
+  static constexpr int tile = q + p + off + v;
   static constexpr int merge = 2 * kWaves * HPB + kWaves * HPB * D;
   static constexpr int bytes = 4 * (tile > merge ? tile : merge);
 };
@@ -74,94 +67,18 @@ HK_DEVICE int context_len(const Params& p, int seq) {
   return (int)(len < 0 ? 0 : len > cap ? cap : len);
 }
 
-// Offset of token t's K/V row given its block id, or -1 when the id lies outside the cache.
-HK_DEVICE int64_t row_offset(const Params& p, int blk, int t) {
-  if (blk < 0 || blk >= p.num_blocks) return -1;
-  return (int64_t)blk * p.kv_stride_block + (int64_t)(t & ((1 << p.block_size_log2) - 1)) * p.kv_stride_tok;
-}
-
-// One wave's attention state over the tokens it has seen: per head the running max m and the
-// lane's share of the sum l (log2 domain), and the lane's head dims of the unnormalised output.
-template <typename T, int D, int HPB>
-struct WaveAttention {
-  static constexpr int W = kWaveSize;
-  static constexpr int KV = 16 / sizeof(T);  // K elements per 16-byte load
-  static constexpr int DPL = D / W;          // head dims per lane in PV
-  static_assert(D % KV == 0 && D % W == 0, "head size");
-  float m[HPB], l[HPB], acc[HPB][DPL];
-
-  HK_DEVICE WaveAttention() {
-#pragma unroll
-    for (int h = 0; h < HPB; ++h) {
-      m[h] = -INFINITY;
-      l[h] = 0.f;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
-    }
-  }
-
-  // s[h] = (scaled q_h) . K row, the row in global or shared memory; -inf for no row.
-  static HK_DEVICE void qk(const T* krow, const float* q_s, float (&s)[HPB]) {
-#pragma unroll
-    for (int h = 0; h < HPB; ++h) s[h] = krow ? 0.f : -INFINITY;
-    if (!krow) return;
-#pragma unroll
-    for (int c = 0; c < D / KV; ++c) {
-      float kf[KV];
-      load_as_float<T, KV>(krow + c * KV, kf);
-#pragma unroll
-      for (int h = 0; h < HPB; ++h) {
-#pragma unroll
-        for (int j = 0; j < KV; ++j) s[h] = fmaf(q_s[h * D + c * KV + j], kf[j], s[h]);
-      }
-    }
-  }
-
-  // Online-softmax step over a tile (one token per lane); this lane's probabilities go to p_row.
-  HK_DEVICE void softmax(const float (&s)[HPB], float* p_row) {
-#pragma unroll
-    for (int h = 0; h < HPB; ++h) {
-      const float mn = fmaxf(m[h], group_max<W>(s[h]));
-      const float alpha = merge_weight(m[h], mn);
-      const float pr = merge_weight(s[h], mn);
-      l[h] = l[h] * alpha + pr;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) acc[h][j] *= alpha;
-      m[h] = mn;
-      p_row[h] = pr;
-    }
-  }
-
-  // acc += p[i] * V row i for the tile's rows i < n; vrow(i) is the row or null (skipped).
-  template <typename RowOf>
-  HK_DEVICE void pv(int n, const float* p, RowOf vrow, int lane) {
-#pragma unroll 4
-    for (int i = 0; i < n; ++i) {
-      const T* row = vrow(i);
-      if (!row) continue;
-      float vf[DPL];
-      load_as_float<T, DPL>(row + lane * DPL, vf);
-#pragma unroll
-      for (int h = 0; h < HPB; ++h) {
-        const float pr = p[i * HPB + h];
-#pragma unroll
-        for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
-      }
-    }
-  }
-};
-
 template <typename T, int D, int HPB>
 __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
   constexpr int W = kWaveSize;
-  constexpr int KV = 16 / sizeof(T);
+  constexpr int KV = 16 / sizeof(T);  // K elements per 16-byte load
+  constexpr int DPL = D / W;          // head dims per lane in PV
+  static_assert(D % KV == 0 && D % W == 0, "head size");
   typedef Smem<T, D, HPB> S;
-  typedef WaveAttention<T, D, HPB> WA;
   extern __shared__ float smem[];
   float* q_s = smem;
   float* p_s = q_s + S::q;
   int64_t* off_s = reinterpret_cast<int64_t*>(p_s + S::p);
-  T* kv_s = reinterpret_cast<T*>(off_s + 2 * kWaves * W);
+  T* v_s = reinterpret_cast<T*>(off_s + kWaves * kWaveSize);
 
   const int hgroups = (p.group + HPB - 1) / HPB;
   const int kvh = blockIdx.x / hgroups;
@@ -187,72 +104,90 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
   const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
   const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
   const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
+  const int bs_mask = (1 << p.block_size_log2) - 1;
   float* my_p = p_s + wave * W * HPB;
-  int64_t* my_off = off_s + wave * 2 * W;  // [stage][lane]
-  constexpr int kStride = kWaves * W;      // tokens between a wave's consecutive tiles
-  auto block_of = [&](int t) { return t < end ? bt[t >> p.block_size_log2] : -1; };
-  WA wa;
+  int64_t* my_off = off_s + wave * W;
+  T* my_v = v_s + wave * W * D;
+  constexpr int kChunks = D / KV;            // 16-byte chunks of a row
+  constexpr int kRowsPerStep = W / kChunks;  // rows a wave copies per step (D <= 8 * W)
+  static_assert(kChunks <= W, "one row per wave step at most");
 
-  if constexpr (S::staged) {
-    // Tile i + 1's K/V rows are copied into the other stage while tile i is computed; its block
-    // ids were loaded during tile i - 1.
-    T* my_kv = kv_s + wave * 2 * (S::k_tile + S::v_tile);  // [stage][K tile | V tile]
-    constexpr int kChunks = D / KV;            // 16-byte chunks of a row
-    constexpr int kRowsPerStep = W / kChunks;  // rows the wave copies per step
-    static_assert(kChunks <= W, "a row per wave step at most");
-    auto k_tile = [&](int st) { return my_kv + st * (S::k_tile + S::v_tile); };
-    auto v_tile = [&](int st) { return my_kv + st * (S::k_tile + S::v_tile) + S::k_tile; };
-    auto issue = [&](int t0, int blk, int st) {
-      int64_t* offs = my_off + st * W;
-      offs[lane] = row_offset(p, blk, t0 + lane);
+  float m[HPB], l[HPB], acc[HPB][DPL];
+#pragma unroll
+  for (int h = 0; h < HPB; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) acc[h][j] = 0.f;
+  }
+
+  for (int t0 = start + wave * W; t0 < end; t0 += kWaves * W) {
+    const int t = t0 + lane;
+    float s[HPB];
+#pragma unroll
+    for (int h = 0; h < HPB; ++h) s[h] = 0.f;
+    int64_t off = 0;  // token t's row; an id outside the cache masks the token instead
+    const int blk = t < end ? bt[t >> p.block_size_log2] : -1;
+    const bool present = blk >= 0 && blk < p.num_blocks;
+    if (present) off = (int64_t)blk * p.kv_stride_block + (int64_t)(t & bs_mask) * p.kv_stride_tok;
+    const int n = min(W, end - t0);
+    if constexpr (S::stage_v) {  // start this tile's V rows on their way to shared memory
+      my_off[lane] = off;
       wave_sync();
-      const int n = min(W, end - t0);
-      const int c = lane % kChunks;
       for (int r = lane / kChunks; r < n; r += kRowsPerStep) {
-        const int64_t o = offs[r];
-        if (o >= 0) {
-          async_copy16(k_tile(st) + r * S::k_row + c * KV, kbase + o + c * KV);
-          async_copy16(v_tile(st) + r * D + c * KV, vbase + o + c * KV);
+        const int c = lane % kChunks;
+        async_copy16(my_v + r * D + c * KV, vbase + my_off[r] + c * KV);
+      }
+    }
+    if (present) {
+      const T* krow = kbase + off;
+#pragma unroll
+      for (int c = 0; c < D / KV; ++c) {
+        float kf[KV];
+        load_as_float<T, KV>(krow + c * KV, kf);
+#pragma unroll
+        for (int h = 0; h < HPB; ++h) {
+#pragma unroll
+          for (int j = 0; j < KV; ++j) s[h] = fmaf(q_s[h * D + c * KV + j], kf[j], s[h]);
         }
       }
-      async_copy_commit();
-    };
-    int t0 = start + wave * W;
-    if (t0 < end) issue(t0, block_of(t0 + lane), 0);
-    int blk_next = block_of(t0 + kStride + lane);
-    for (int st = 0; t0 < end; t0 += kStride, st ^= 1) {
-      if (t0 + kStride < end) {
-        issue(t0 + kStride, blk_next, st ^ 1);
-        blk_next = block_of(t0 + 2 * kStride + lane);
-        async_copy_wait_pending<1>();
+    } else {
+#pragma unroll
+      for (int h = 0; h < HPB; ++h) s[h] = -INFINITY;
+    }
+    if constexpr (!S::stage_v) my_off[lane] = off;
+#pragma unroll
+    for (int h = 0; h < HPB; ++h) {
+      const float mn = fmaxf(m[h], group_max<W>(s[h]));
+      const float alpha = merge_weight(m[h], mn);
+      const float pr = merge_weight(s[h], mn);
+      l[h] = l[h] * alpha + pr;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) acc[h][j] *= alpha;
+      m[h] = mn;
+      my_p[lane * HPB + h] = pr;
+    }
+    if constexpr (S::stage_v) async_copy_wait();
+    wave_sync();
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) {
+      float vf[DPL];
+      if constexpr (S::stage_v) {
+        load_as_float<T, DPL>(my_v + i * D + lane * DPL, vf);
       } else {
-        async_copy_wait_pending<0>();
+        load_as_float<T, DPL>(vbase + my_off[i] + lane * DPL, vf);
       }
-      wave_sync();
-      const int64_t* offs = my_off + st * W;
-      float s[HPB];
-      WA::qk(offs[lane] >= 0 ? k_tile(st) + lane * S::k_row : nullptr, q_s, s);
-      wa.softmax(s, my_p + lane * HPB);
-      wave_sync();
-      wa.pv(min(W, end - t0), my_p, [&](int i) -> const T* { return offs[i] >= 0 ? v_tile(st) + i * D : nullptr; },
-            lane);
-      wave_sync();  // before this stage is refilled
+#pragma unroll
+      for (int h = 0; h < HPB; ++h) {
+        const float pr = my_p[i * HPB + h];
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
+      }
     }
-  } else {
-    for (int t0 = start + wave * W; t0 < end; t0 += kStride) {
-      const int64_t off = row_offset(p, block_of(t0 + lane), t0 + lane);
-      my_off[lane] = off;
-      float s[HPB];
-      WA::qk(off >= 0 ? kbase + off : nullptr, q_s, s);
-      wa.softmax(s, my_p + lane * HPB);
-      wave_sync();
-      wa.pv(min(W, end - t0), my_p, [&](int i) -> const T* { return my_off[i] >= 0 ? vbase + my_off[i] : nullptr; },
-            lane);
-      wave_sync();  // the next tile overwrites my_p / my_off
-    }
+    wave_sync();  // the next tile overwrites my_p / my_off / my_v
   }
 #pragma unroll
-  for (int h = 0; h < HPB; ++h) wa.l[h] = group_sum<W>(wa.l[h]);
+  for (int h = 0; h < HPB; ++h) l[h] = group_sum<W>(l[h]);
 
   // Merge the waves' states.
   __syncthreads();
@@ -262,11 +197,11 @@ __global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
 #pragma unroll
   for (int h = 0; h < HPB; ++h) {
     if (lane == 0) {
-      m_w[wave * HPB + h] = wa.m[h];
-      l_w[wave * HPB + h] = wa.l[h];
+      m_w[wave * HPB + h] = m[h];
+      l_w[wave * HPB + h] = l[h];
     }
 #pragma unroll
-    for (int j = 0; j < WA::DPL; ++j) a_w[(wave * HPB + h) * D + lane * WA::DPL + j] = wa.acc[h][j];
+    for (int j = 0; j < DPL; ++j) a_w[(wave * HPB + h) * D + lane * DPL + j] = acc[h][j];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < nh * D; i += kThreads) {

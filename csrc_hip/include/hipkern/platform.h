@@ -100,9 +100,8 @@ HK_DEVICE void wave_sync() {
 }
 
 // 16-byte global -> shared copies that complete asynchronously where the target has them (cp.async
-// on sm_80+): issue, commit the group, do other work, then async_copy_wait_pending<N>() (this
-// thread's copies) and a barrier before other threads read them. kAsyncCopy says whether they
-// really overlap (elsewhere they are plain synchronous copies).
+// on sm_80+): issue, do other work, then async_copy_wait() (this thread's copies) and a barrier
+// before other threads read them. kAsyncCopy says whether they really overlap.
 #if defined(HK_PLATFORM_CUDA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
 constexpr bool kAsyncCopy = true;
 #else
@@ -118,18 +117,9 @@ HK_DEVICE void async_copy16(void* smem, const void* gmem) {
 #endif
 }
 
-// Close the group of copies issued since the last commit.
-HK_DEVICE void async_copy_commit() {
+HK_DEVICE void async_copy_wait() {
 #if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Wait until at most N committed groups of this thread's copies are still in flight.
-template <int N>
-HK_DEVICE void async_copy_wait_pending() {
-#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
 
