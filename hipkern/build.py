@@ -50,7 +50,7 @@ def main(argv=None) -> int:
             print(f"{spec.name} [{arch}]: {how} -> {res.path}")
             reg = "VGPRs" if jit.platform_of(arch) == "rocm" else "regs"
             shm = "LDS" if jit.platform_of(arch) == "rocm" else "smem"
-            spill = "spills(regs)" if jit.platform_of(arch) == "rocm" else "spills(B)"
+            spill = "VGPRspill" if jit.platform_of(arch) == "rocm" else "spills(B)"
             print(f"    {reg:>5} {shm + '(B)':>8} {spill:>12}  kernel")
             for k in res.resources:
                 print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12}  {_short(k['kernel'])}")

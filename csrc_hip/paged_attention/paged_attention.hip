@@ -67,8 +67,12 @@ HK_DEVICE int context_len(const Params& p, int seq) {
   return (int)(len < 0 ? 0 : len > cap ? cap : len);
 }
 
+// Blocks that must fit on one SM at once (CUDA): caps registers at 128 per thread for head <= 128
+// so that enough waves keep loads in flight; head 256 needs more registers.
+template <int D> constexpr int min_blocks() { return D <= 128 ? 4 : 2; }
+
 template <typename T, int D, int HPB>
-__global__ __launch_bounds__(kThreads, 1) void decode_kernel(Params p) {
+__global__ HK_LAUNCH_BOUNDS(kThreads, min_blocks<D>()) void decode_kernel(Params p) {
   constexpr int W = kWaveSize;
   constexpr int KV = 16 / sizeof(T);  // K elements per 16-byte load
   constexpr int DPL = D / W;          // head dims per lane in PV

@@ -187,7 +187,8 @@ def _demangle(names):
 
 def parse_resources(platform: str, log: str) -> list[dict]:
     """One dict per kernel: kernel, regs (registers / VGPRs), shared_bytes (smem / LDS), spills
-    (CUDA: spill store+load bytes; ROCm: spilled SGPRs+VGPRs), and target-specific extras."""
+    (CUDA: spill store+load bytes; ROCm: VGPRs spilled to scratch; SGPRs spilled into VGPR lanes, which
+    cost no memory traffic, are `sgpr_spills`), and target-specific extras."""
     rows: list[dict] = []
     if platform == "cuda":
         cur = None
@@ -222,8 +223,10 @@ def parse_resources(platform: str, log: str) -> list[dict]:
                     cur["regs"] = int(val)
                 elif key == "LDS Size [bytes/block]":
                     cur["shared_bytes"] = int(val)
-                elif key in ("SGPRs Spill", "VGPRs Spill"):
+                elif key == "VGPRs Spill":  # to scratch memory
                     cur["spills"] += int(val)
+                elif key == "SGPRs Spill":  # into VGPR lanes: no memory traffic
+                    cur["sgpr_spills"] = int(val)
                 elif key == "ScratchSize [bytes/lane]":
                     cur["scratch_bytes"] = int(val)
                 elif key == "AGPRs":

@@ -28,6 +28,14 @@ static_assert(__AMDGCN_WAVEFRONT_SIZE == HK_WAVE_SIZE, "HK_WAVE_SIZE disagrees w
 #endif
 
 #define HK_EXPORT extern "C" __attribute__((visibility("default")))
+
+// __launch_bounds__ with a minimum of resident blocks per SM on CUDA (it caps registers there). On
+// HIP the second argument means minimum waves per EU, a different promise: only the first is kept.
+#if defined(HK_PLATFORM_CUDA)
+#define HK_LAUNCH_BOUNDS(threads, min_blocks_per_sm) __launch_bounds__(threads, min_blocks_per_sm)
+#else
+#define HK_LAUNCH_BOUNDS(threads, min_blocks_per_sm) __launch_bounds__(threads)
+#endif
 #define HK_DEVICE __device__ __forceinline__
 #define HK_HOST_DEVICE __host__ __device__ __forceinline__
 
