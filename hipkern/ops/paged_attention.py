@@ -59,17 +59,18 @@ def _split(shape: Shape, partition_size: int) -> Plan:
     return Plan(1, shape.max_tokens) if parts == 1 else Plan(parts, partition_size)
 
 
-def _plan_hybrid(shape: Shape, blocks_per_sm: int = 16, max_partition: int = 4096) -> Plan:
-    """v3: split each context into partitions of whole block tiles, enough for ~`blocks_per_sm`
-    blocks per SM (a full grid with a short tail) and at most `max_partition` tokens each; one pass
-    when a single partition covers the context."""
+def _plan_hybrid(shape: Shape, blocks_per_sm: int = 4, max_partition: int = 512) -> Plan:
+    """v3: split each context into partitions of whole block tiles, at most `max_partition` tokens
+    each (the best fixed size measured on the H100), and smaller when the batch alone gives fewer
+    than ~`blocks_per_sm` blocks per SM; one pass when a single partition covers the context."""
     want = max(math.ceil(blocks_per_sm * shape.sm_count / shape.blocks), math.ceil(shape.max_tokens / max_partition))
     return _split(shape, math.ceil(shape.max_tokens / want / shape.tile) * shape.tile)
 
 
 VARIANTS = {
-    "v3": Variant("v3", "hybrid split-K: flash-decoding partitions sized from the batch for ~16 blocks per "
-                  "SM, merged by LSE; a single pass when one partition covers the context", _plan_hybrid),
+    "v3": Variant("v3", "hybrid split-K: flash-decoding partitions of <= 512 tokens, smaller for small "
+                  "batches (~4 blocks per SM), merged by LSE; a single pass when one covers the context",
+                  _plan_hybrid),
     "v9": Variant("v9", "multi-warp GQA block over fixed 512-token partitions (always split-K)",
                   lambda shape: _split(shape, 512)),
 }
