@@ -175,6 +175,22 @@ def test_arch_names(monkeypatch):
         jit.current_arch()
 
 
+# Spills accepted on purpose, each bounded and justified by a measurement. (arch, kernel prefix) ->
+# the most spill bytes allowed.
+#  - paged attention, head 128, 8 query heads per block, sm_90: HK_LAUNCH_BOUNDS caps registers at 128
+#    for 4 blocks per SM; with the 16-72 B spill it ran 16 x 2048 x (64 q, 8 kv) in 87.6 us against
+#    117.7 us uncapped (H100, 2026-11-22, csrc_hip/paged_attention/NOTES.md version 4).
+ALLOWED_SPILLS = {
+    ("sm_90", "void hk::paged_attention::decode_kernel<hk::half_t, 128, 8>"): 128,
+    ("sm_90", "void hk::paged_attention::decode_kernel<hk::bf16_t, 128, 8>"): 128,
+}
+
+
+def allowed_spill(arch, kernel):
+    return max([n for (a, prefix), n in ALLOWED_SPILLS.items() if a == arch and kernel.startswith(prefix)],
+               default=0)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_shipped_module_builds_and_loads(arch, jit_dir, tmp_path):
     """What `python -m hipkern.build --arch <arch>` does, through the path an op's first call takes."""
@@ -183,7 +199,8 @@ def test_every_shipped_module_builds_and_loads(arch, jit_dir, tmp_path):
         res = jit.build(spec, arch)
         mod = builder.Module(spec, arch, res.path)
         assert res.resources and all(k["regs"] > 0 for k in res.resources), spec.name
-        assert all(k["spills"] == 0 for k in res.resources), res.resources
+        over = [k for k in res.resources if k["spills"] > allowed_spill(arch, k["kernel"])]
+        assert not over, over
         if spec.name.startswith("topk_softmax") and not torch.cuda.is_available():
             rc = mod.hk_topk_softmax(None, None, None, 4, 8, 2, 1, 0, None)
             assert rc != 0 and "failed" in mod.last_error()

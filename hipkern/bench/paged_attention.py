@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import hipkern
-from hipkern.ops.paged_attention import VARIANTS, default_variant
+from hipkern.ops.paged_attention import VARIANTS, choose_variant
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import BenchTable, checkAllclose, run_perftest
 
@@ -69,7 +69,7 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
         o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=var)
         err = max(err, checkAllclose(o, out, atol=8e-3, rtol=8e-3, msg=f"{name} {var} ", printLog=False))
         _, times[var] = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl, variant=var, num_iters=iters)
-    chosen = default_variant(q, k, bt, "NHD")
+    chosen, _ = choose_variant(q, k, bt, "NHD")
     best = min(times, key=times.get)
     _, naive_us = run_perftest(paged_attention_ref, q, k, v, bt, cl, compute_dtype=q.dtype, num_iters=naive_iters,
                                num_warmup=1)

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, raw_stream
+from .. import jit, tuning_db
+from ._common import DTYPE_NAMES, check_device, check_tensor, lib, module_for, raw_stream
 
 __all__ = ["paged_attention_decode", "VARIANTS", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
@@ -33,7 +34,7 @@ class Plan:
 class Variant:
     name: str
     idea: str
-    plan: callable  # (Shape) -> Plan
+    plan: callable  # (Shape, **params) -> Plan; params: partition_size (the largest partition)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +60,11 @@ def _split(shape: Shape, partition_size: int) -> Plan:
     return Plan(1, shape.max_tokens) if parts == 1 else Plan(parts, partition_size)
 
 
-def _plan_hybrid(shape: Shape, blocks_per_sm: int = 4, max_partition: int = 512) -> Plan:
+def _plan_hybrid(shape: Shape, partition_size: int = 512, blocks_per_sm: int = 4) -> Plan:
     """v3: split each context into partitions of whole block tiles, at most `max_partition` tokens
     each (the best fixed size measured on the H100), and smaller when the batch alone gives fewer
     than ~`blocks_per_sm` blocks per SM; one pass when a single partition covers the context."""
-    want = max(math.ceil(blocks_per_sm * shape.sm_count / shape.blocks), math.ceil(shape.max_tokens / max_partition))
+    want = max(math.ceil(blocks_per_sm * shape.sm_count / shape.blocks), math.ceil(shape.max_tokens / partition_size))
     return _split(shape, math.ceil(shape.max_tokens / want / shape.tile) * shape.tile)
 
 
@@ -71,9 +72,19 @@ VARIANTS = {
     "v3": Variant("v3", "hybrid split-K: flash-decoding partitions of <= 512 tokens, smaller for small "
                   "batches (~4 blocks per SM), merged by LSE; a single pass when one covers the context",
                   _plan_hybrid),
-    "v9": Variant("v9", "multi-warp GQA block over fixed 512-token partitions (always split-K)",
-                  lambda shape: _split(shape, 512)),
+    "v9": Variant("v9", "multi-warp GQA block over fixed partitions, 512 tokens by default (always split-K)",
+                  lambda shape, partition_size=512: _split(shape, partition_size)),
 }
+
+# Tuning-database schema (hipkern/tuning_db.py): the batch and context buckets are powers of two;
+# the context bucket is what the block table addresses (max_blocks_per_seq * block_size), known
+# without reading context_lens from the GPU.
+tuning_db.register(tuning_db.Schema(
+    op="paged_attention",
+    exact_keys=("dtype", "head_size", "block_size", "num_q_heads", "num_kv_heads", "kv_layout"),
+    bucket_keys=("batch", "context"),
+    param_keys=("partition_size",),
+    variants=frozenset(VARIANTS)))
 PLANNED = ("v4", "v5", "v6", "v7", "v16")  # named by the design, not built yet
 
 
@@ -147,6 +158,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     check_device(dev, **tensors)
 
 
+# variant "" lets the launch choose (tuning database, else heuristic): the lookup reads files, so
+# it runs in the op's implementation, never inside a traced graph.
 lib.define("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
            "Tensor context_lens, float scale, str kv_layout, str variant, Tensor(a!) out, Tensor(b!) lse) -> ()")
 
@@ -161,7 +174,10 @@ def _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv
     mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
     shape = Shape(num_seqs, hkv, num_q_heads // hkv, block_tables.shape[1] * bs, _sm_count(dev),
                   WAVES_PER_BLOCK * mod.wave_size())
-    plan = VARIANTS[variant].plan(shape)
+    params = {}
+    if not variant:
+        variant, params = choose_variant(query, key_cache, block_tables, kv_layout)
+    plan = VARIANTS[variant].plan(shape, **params)
     part_o = part_ml = None
     if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
         part_o = torch.empty((num_seqs, num_q_heads, plan.num_partitions, head_size), dtype=torch.float32,
@@ -187,9 +203,19 @@ def _fake(query, key_cache, value_cache, block_tables, context_lens, scale, kv_l
     return None
 
 
-def default_variant(query, key_cache, block_tables, kv_layout) -> str:
-    """The variant used when none is asked for (the tuning database will refine this)."""
-    return "v3"
+HEURISTIC_VARIANT = "v3"
+
+
+def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
+    """(variant, params) for variant=None: the tuning database's row for this shape (exact, else
+    nearest), else the heuristic default v3 with its default parameters."""
+    dev = query.get_device()
+    nb, bs, hkv, d, *_ = _cache_dims(kv_layout, key_cache)
+    choice = tuning_db.lookup(
+        "paged_attention", jit.current_arch(dev), _sm_count(dev), dtype=DTYPE_NAMES[query.dtype], head_size=d,
+        block_size=bs, num_q_heads=query.shape[1], num_kv_heads=hkv, kv_layout=kv_layout,
+        batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(block_tables.shape[1] * bs))
+    return (choice.variant, choice.params) if choice else (HEURISTIC_VARIANT, {})
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
@@ -209,7 +235,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
         scale: softmax scale, default 1/sqrt(head_size).
         out: optional output [num_seqs, num_q_heads, head_size] (query's dtype), written in place.
         return_lse: also return the natural-log LSE of each (sequence, head), float32.
-        variant: None (the default policy) or one of VARIANTS.
+        variant: None (the tuning database's choice for this shape, else the heuristic default) or
+            one of VARIANTS (with its default parameters).
 
     Returns out, or (out, lse). fp32 accumulation; num_q_heads / num_kv_heads from 1 to 64. No host
     sync and workspaces sized from shapes only: safe under CUDA-graph capture and torch.compile.
@@ -217,7 +244,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
               variant)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    variant = variant or default_variant(query, key_cache, block_tables, kv_layout)
+    variant = variant or ""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     lse = torch.empty(query.shape[:2] if return_lse else (0,), dtype=torch.float32, device=query.device)

@@ -1,0 +1,218 @@
+"""The tuning database: which variant (and parameters) each op uses for each shape.
+
+Files: ``tuning/results/<arch>/<op>.csv`` shipped with hipkern (inside a wheel: hipkern/_tuning),
+overlaid row by row by the user's files in ``HIPKERN_TUNING_DB=path[:path...]`` (later files win
+on the same key). Each op declares a :class:`Schema`: its shape keys that must match exactly
+(dtype, head size, layout, ...), its bucket keys (powers of two: batch, context length, tokens),
+and its variant-parameter columns. Every file also has the columns ``arch, cu_count, variant, us,
+tbps, err, date, commit``.
+
+Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
+
+1. exact: a row with the same exact keys, the same buckets and the same cu_count;
+2. nearest: among rows with the same exact keys, the smallest distance, where distance is the sum
+   over bucket keys of |log2(a) - log2(b)|, plus 0.5 when cu_count differs; ties go to the row with
+   the larger buckets (tuned for more work), then to the newer date;
+3. none: the op uses its heuristic default.
+
+Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
+``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys, ready for the tuner. A file
+that cannot be read or lacks columns, and a row with a bad value or a variant the op no longer has,
+is skipped with one warning naming the file (and line); the op still runs.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_dir", "reset"]
+
+log = logging.getLogger("hipkern.tuning")
+COMMON = ("arch", "cu_count", "variant", "us", "tbps", "err", "date", "commit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    op: str
+    exact_keys: tuple  # must match; compared as strings
+    bucket_keys: tuple  # powers of two; may differ (nearest neighbour)
+    param_keys: tuple  # variant parameters (int, or empty for the variant's default)
+    variants: frozenset  # variant names the op has now
+
+    @property
+    def columns(self) -> tuple:
+        return COMMON + self.exact_keys + self.bucket_keys + self.param_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    variant: str
+    params: dict
+    source: str  # "exact" or "nearest"
+    row: dict
+
+
+def bucket(n: int) -> int:
+    """The power-of-two bucket of a size: the smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def shipped_results_dir() -> Path:
+    """tuning/results of a checkout, or hipkern/_tuning/results inside an installed wheel."""
+    pkg = Path(__file__).resolve().parent
+    for cand in (pkg / "_tuning" / "results", pkg.parent / "tuning" / "results"):
+        if cand.is_dir():
+            return cand
+    return pkg / "_tuning" / "results"
+
+
+_schemas: dict = {}
+_tables: dict = {}  # (op, arch) -> _Table
+_lock = threading.Lock()
+
+
+def register(schema: Schema) -> None:
+    _schemas[schema.op] = schema
+
+
+def reset() -> None:
+    """Forget loaded files and memoised lookups (tests; after changing HIPKERN_TUNING_DB)."""
+    with _lock:
+        _tables.clear()
+        _memo.clear()
+
+
+class _Table:
+    def __init__(self, schema: Schema, arch: str):
+        self.schema = schema
+        self.exact: dict = {}  # full key -> row
+        self.groups: dict = {}  # exact keys -> [rows]
+        files = [shipped_results_dir() / arch / f"{schema.op}.csv"]
+        files += [Path(p) / arch / f"{schema.op}.csv" if Path(p).is_dir() else Path(p)
+                  for p in os.environ.get("HIPKERN_TUNING_DB", "").split(os.pathsep) if p]
+        for f in files:
+            self._load(f, arch, user=f != files[0])
+        for row in self.exact.values():
+            self.groups.setdefault(self._exact_part(row), []).append(row)
+
+    def _exact_part(self, row) -> tuple:
+        return tuple(str(row[k]) for k in self.schema.exact_keys)
+
+    def key(self, row) -> tuple:
+        return (self._exact_part(row), tuple(int(row[k]) for k in self.schema.bucket_keys), int(row["cu_count"]))
+
+    def _load(self, path: Path, arch: str, user: bool) -> None:
+        if not path.is_file():
+            if user:
+                warnings.warn(f"hipkern tuning file {path} does not exist; skipped", stacklevel=4)
+            return
+        try:
+            with open(path, newline="") as fh:
+                reader = csv.DictReader(fh)
+                missing = [c for c in self.schema.columns if c not in (reader.fieldnames or ())]
+                if missing:
+                    warnings.warn(f"hipkern tuning file {path} lacks columns {missing}; skipped", stacklevel=4)
+                    return
+                rows = list(enumerate(reader, start=2))
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            warnings.warn(f"hipkern tuning file {path} cannot be read ({e}); skipped", stacklevel=4)
+            return
+        for line, raw in rows:
+            row = self._parse(raw, arch)
+            if isinstance(row, str):
+                warnings.warn(f"hipkern tuning file {path}, line {line}: {row}; row skipped", stacklevel=4)
+                continue
+            self.exact[self.key(row)] = row  # later files win on the same key
+
+    def _parse(self, raw: dict, arch: str):
+        s = self.schema
+        if raw.get("arch") != arch:
+            return f"arch {raw.get('arch')!r} is not {arch!r}"
+        if raw.get("variant") not in s.variants:
+            return f"variant {raw.get('variant')!r} is not one of {sorted(s.variants)}"
+        row = dict(raw)
+        try:
+            row["cu_count"] = int(raw["cu_count"])
+            for k in s.bucket_keys:
+                row[k] = int(raw[k])
+                if row[k] < 1 or row[k] & (row[k] - 1):
+                    return f"{k}={raw[k]!r} is not a power of two"
+            row["params"] = {k: int(raw[k]) for k in s.param_keys if raw[k] not in ("", None)}
+            float(raw["us"])
+        except (TypeError, ValueError):
+            return "a number column holds something else"
+        if any(raw[k] in ("", None) for k in s.exact_keys):
+            return "an exact key is empty"
+        return row
+
+    def find(self, exact: tuple, buckets: tuple, cu_count: int):
+        row = self.exact.get((exact, buckets, cu_count))
+        if row is not None:
+            return row, "exact"
+        best, best_rank = None, None
+        for r in self.groups.get(exact, ()):
+            dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
+            dist += 0.5 * (r["cu_count"] != cu_count)
+            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _neg_date(r.get("date", "")))
+            if best_rank is None or rank < best_rank:
+                best, best_rank = r, rank
+        return (best, "nearest") if best is not None else (None, None)
+
+
+def _neg_date(d: str) -> tuple:
+    return tuple(-ord(c) for c in d)  # newer ISO dates sort first
+
+
+def _table(op: str, arch: str) -> _Table:
+    t = _tables.get((op, arch))
+    if t is None:
+        with _lock:
+            t = _tables.get((op, arch))
+            if t is None:
+                t = _tables[(op, arch)] = _Table(_schemas[op], arch)
+    return t
+
+
+def lookup(op: str, arch: str, cu_count: int, **shape) -> Choice | None:
+    """The tuned choice for `shape` (exact keys and bucket keys of the op's schema, buckets already
+    bucketed), or None for the heuristic default. Memoised per shape."""
+    t = _table(op, arch)
+    exact = tuple(str(shape[k]) for k in t.schema.exact_keys)
+    buckets = tuple(int(shape[k]) for k in t.schema.bucket_keys)
+    memo_key = (op, arch, cu_count, exact, buckets)
+    hit = _memo.get(memo_key, _MISS)
+    if hit is not _MISS:
+        return hit
+    row, source = t.find(exact, buckets, cu_count)
+    choice = None if row is None else Choice(row["variant"], row["params"], source, row)
+    _memo[memo_key] = choice
+    if source != "exact":
+        _log_untuned(t.schema, arch, cu_count, shape, choice)
+    return choice
+
+
+_memo: dict = {}
+_MISS = object()
+
+
+def _log_untuned(schema: Schema, arch: str, cu_count: int, shape: dict, choice) -> None:
+    how = f"nearest tuned row ({choice.variant}, {choice.row.get('date', '')})" if choice else "heuristic default"
+    log.info("hipkern: %s on %s has no tuned row for %s; using the %s", schema.op, arch, shape, how)
+    path = os.environ.get("HIPKERN_LOG_UNTUNED")
+    if not path:
+        return
+    cols = ["op", "arch", "cu_count", *schema.exact_keys, *schema.bucket_keys]
+    with _lock:
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        with open(path, "a", newline="") as fh:
+            w = csv.writer(fh)
+            if new:
+                w.writerow(cols)
+            w.writerow([schema.op, arch, cu_count, *(shape[k] for k in schema.exact_keys),
+                        *(shape[k] for k in schema.bucket_keys)])

@@ -1,0 +1,150 @@
+"""The tuning database with synthetic CSVs: exact and nearest lookup, overlay, malformed input."""
+import csv
+import logging
+
+import pytest
+
+from hipkern import tuning_db
+from hipkern.tuning_db import Schema, bucket, lookup
+
+SCHEMA = Schema(op="toyop", exact_keys=("dtype", "head_size"), bucket_keys=("batch", "context"),
+                param_keys=("partition_size",), variants=frozenset({"a", "b", "c"}))
+tuning_db.register(SCHEMA)
+SHAPE = dict(dtype="bfloat16", head_size=128)
+
+
+def row(variant="a", batch=8, context=2048, cu=132, arch="sm_90", date="2026-11-20", psize="", **kw):
+    r = dict(arch=arch, cu_count=cu, variant=variant, us=10.0, tbps=2.5, err=0.0, date=date, commit="abc",
+             dtype="bfloat16", head_size=128, batch=batch, context=context, partition_size=psize)
+    r.update(kw)
+    return r
+
+
+def write(path, rows, columns=SCHEMA.columns):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A shipped results dir of our own; no user overlay; fresh caches."""
+    d = tmp_path / "results"
+    monkeypatch.setattr(tuning_db, "shipped_results_dir", lambda: d)
+    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
+    monkeypatch.delenv("HIPKERN_LOG_UNTUNED", raising=False)
+    tuning_db.reset()
+    yield d / "sm_90" / "toyop.csv"
+    tuning_db.reset()
+
+
+def find(batch=8, context=2048, cu=132, **shape):
+    return lookup("toyop", "sm_90", cu, **{**SHAPE, **shape}, batch=batch, context=context)
+
+
+def test_bucket():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+
+
+def test_exact_row_and_params(shipped):
+    write(shipped, [row("a", 8, 2048), row("b", 16, 2048, psize=256)])
+    c = find(16, 2048)
+    assert (c.variant, c.params, c.source) == ("b", {"partition_size": 256}, "exact")
+    assert find(8, 2048).params == {}
+
+
+def test_nearest_neighbour_rule(shipped, caplog):
+    write(shipped, [row("a", 4, 2048), row("b", 64, 2048), row("c", 16, 4096, date="2026-11-01"),
+                    row("a", 16, 4096, dtype="float16")])
+    with caplog.at_level(logging.INFO, logger="hipkern.tuning"):
+        c = find(16, 2048)  # distances: a 2, b 2, c 1
+    assert (c.variant, c.source) == ("c", "nearest")
+    assert "toyop on sm_90 has no tuned row" in caplog.text and "nearest tuned row (c" in caplog.text
+    assert find(8, 2048).variant == "b" or find(8, 2048).variant == "a"
+    # equal distance 1 to batch 4 and 16: the larger buckets win
+    assert find(8, 4096).variant == "c"
+    assert find(16, 4096, dtype="float16").variant == "a"  # exact keys must match: only the fp16 row
+    assert find(16, 4096, dtype="float32") is None  # nothing with those exact keys: heuristic
+
+
+def test_nearest_prefers_same_cu_count_then_newer_date(shipped):
+    write(shipped, [row("a", 8, 2048, cu=114), row("b", 16, 2048, date="2026-11-01"),
+                    row("c", 16, 2048, cu=100, date="2026-11-21")])
+    assert find(8, 2048).variant == "a"  # distance 0.5 (cu) beats 1 (batch)
+    write(shipped, [row("b", 16, 2048, cu=100, date="2026-11-01"), row("c", 16, 2048, cu=114, date="2026-11-21")])
+    tuning_db.reset()
+    assert find(16, 2048).variant == "c"  # same distance and buckets: the newer row
+
+
+def test_fallbacks_logged_once_and_appended_to_log_file(shipped, tmp_path, monkeypatch, caplog):
+    write(shipped, [row("a", 8, 2048)])
+    out = tmp_path / "untuned.csv"
+    monkeypatch.setenv("HIPKERN_LOG_UNTUNED", str(out))
+    with caplog.at_level(logging.INFO, logger="hipkern.tuning"):
+        for _ in range(3):
+            find(32, 2048)
+            find(16, 1024, dtype="float16")
+            find(8, 2048)  # exact: not logged
+    assert caplog.text.count("has no tuned row") == 2
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["dtype"], r["batch"], r["context"]) for r in rows] == [("bfloat16", "32", "2048"), ("float16", "16", "1024")]
+    assert rows[0]["op"] == "toyop" and rows[0]["cu_count"] == "132"
+
+
+def test_user_overlay_wins_row_by_row(shipped, tmp_path, monkeypatch):
+    write(shipped, [row("a", 8, 2048), row("a", 16, 2048)])
+    user = write(tmp_path / "mine.csv", [row("b", 16, 2048), row("c", 32, 2048)])
+    user_dir = tmp_path / "userdb"
+    write(user_dir / "sm_90" / "toyop.csv", [row("c", 8, 2048)])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", f"{user}:{user_dir}")
+    tuning_db.reset()
+    assert find(16, 2048).variant == "b"  # theirs wins
+    assert find(32, 2048).variant == "c"  # theirs adds
+    assert find(8, 2048).variant == "c"  # the later path wins over the shipped row
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(variant="v_old"), "variant 'v_old' is not one of"),
+    (dict(batch=6), "batch='6' is not a power of two"),
+    (dict(context="x"), "a number column holds something else"),
+    (dict(us="fast"), "a number column holds something else"),
+    (dict(arch="gfx942"), "arch 'gfx942' is not 'sm_90'"),
+    (dict(dtype=""), "an exact key is empty"),
+])
+def test_malformed_row_skipped_with_one_warning(shipped, bad, msg):
+    write(shipped, [row("a", 8, 2048), row(**{"variant": "b", "batch": 16, "context": 2048, **bad})])
+    with pytest.warns(UserWarning, match=f"toyop.csv, line 3: {msg}") as rec:
+        assert find(8, 2048).variant == "a"
+        assert find(16, 2048).variant == "a"  # nearest: the bad row is gone
+    assert len(rec) == 1
+
+
+def test_malformed_or_missing_files(shipped, tmp_path, monkeypatch):
+    write(shipped, [row("a", 8, 2048)], columns=[c for c in SCHEMA.columns if c != "commit"])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(tmp_path / "nope.csv"))
+    with pytest.warns(UserWarning) as rec:
+        assert find(8, 2048) is None  # no usable row anywhere: heuristic
+    text = " ".join(str(w.message) for w in rec)
+    assert "lacks columns ['commit']" in text and "nope.csv does not exist" in text
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(binary))
+    tuning_db.reset()
+    with pytest.warns(UserWarning, match="binary.csv"):
+        assert find(8, 2048) is None
+
+
+def test_no_shipped_file_is_silent(shipped, recwarn):
+    assert find(8, 2048) is None
+    assert not [w for w in recwarn if "toyop" in str(w.message)]
+
+
+def test_paged_attention_schema_names_its_variants():
+    from hipkern.ops.paged_attention import VARIANTS
+
+    schema = tuning_db._schemas["paged_attention"]
+    assert schema.variants == frozenset(VARIANTS)
+    assert {"dtype", "head_size", "block_size", "num_q_heads", "num_kv_heads", "kv_layout"} == set(schema.exact_keys)
