@@ -182,13 +182,13 @@ def _table(op: str, arch: str) -> _Table:
 def lookup(op: str, arch: str, cu_count: int, **shape) -> Choice | None:
     """The tuned choice for `shape` (exact keys and bucket keys of the op's schema, buckets already
     bucketed), or None for the heuristic default. Memoised per shape."""
-    t = _table(op, arch)
-    exact = tuple(str(shape[k]) for k in t.schema.exact_keys)
-    buckets = tuple(int(shape[k]) for k in t.schema.bucket_keys)
-    memo_key = (op, arch, cu_count, exact, buckets)
+    memo_key = (op, arch, cu_count, *shape.values())  # the raw values: a hit costs one dict get
     hit = _memo.get(memo_key, _MISS)
     if hit is not _MISS:
         return hit
+    t = _table(op, arch)
+    exact = tuple(str(shape[k]) for k in t.schema.exact_keys)
+    buckets = tuple(int(shape[k]) for k in t.schema.bucket_keys)
     row, source = t.find(exact, buckets, cu_count)
     choice = None if row is None else Choice(row["variant"], row["params"], source, row)
     _memo[memo_key] = choice
