@@ -209,6 +209,27 @@ def test_bad_arguments_raise_value_error(change, kw, match):
         _call(_cpu_case(**change), **kw)
 
 
+def test_empty_cache_and_oversized_tables_rejected():
+    c = _cpu_case(key_cache=torch.randn(0, 16, 2, 128, dtype=torch.bfloat16),
+                  value_cache=torch.randn(0, 16, 2, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="key_cache must hold at least one block"):
+        _call(c)
+    wide = torch.empty(2, 2**26, dtype=torch.int32)  # never touched; 2^26 blocks x 16 tokens = 2^30 > 2^30 - 1
+    with pytest.raises(ValueError, match=r"block_tables addresses 1073741824 tokens per sequence"):
+        _call(_cpu_case(block_tables=wide))
+
+
+def test_split_stays_within_the_grid():
+    from hipkern.ops.paged_attention import MAX_PARTITIONS, Shape, _split
+
+    for max_tokens, size in ((2**30 - 1, 512), (10**8, 1), (4096, 512), (100, 512)):
+        shape = Shape(1, 1, 1, max_tokens, 132, 128)
+        plan = _split(shape, size)
+        assert 1 <= plan.num_partitions <= MAX_PARTITIONS
+        assert plan.num_partitions * plan.partition_size >= max_tokens
+        assert plan.num_partitions == 1 or (plan.num_partitions - 1) * plan.partition_size < max_tokens
+
+
 def test_gqa_above_64_rejected():
     c = _cpu_case(query=torch.randn(2, 130, 128, dtype=torch.bfloat16),
                   key_cache=torch.randn(10, 16, 1, 128, dtype=torch.bfloat16),

@@ -5,7 +5,8 @@ import torch
 
 from .. import jit
 
-__all__ = ["lib", "check_tensor", "check_device", "check_int", "DTYPE_NAMES", "raw_stream", "module_for"]
+__all__ = ["lib", "check_tensor", "check_device", "check_int", "DTYPE_NAMES", "on_device", "raw_stream",
+           "module_for"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -43,6 +44,19 @@ def check_int(name: str, v, lo: int, hi: int, why: str = "") -> None:
         raise ValueError(f"{name} must be an int, got {type(v).__name__}")
     if not lo <= v <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}]{why}, got {v}")
+
+
+def on_device(device_index: int, fn, *args):
+    """fn(*args) with torch's current GPU set to `device_index`, the caller's restored afterwards.
+
+    Launchers make the tensors' device current for their runtime (hk::use_device); entering it
+    through torch first means they find it current already, so no launch ever leaves the caller on
+    another GPU (on ROCm the module shares torch's runtime and its current device).
+    """
+    if device_index == torch.cuda.current_device():
+        return fn(*args)
+    with torch.cuda.device(device_index):
+        return fn(*args)
 
 
 def raw_stream(device_index: int) -> int:

@@ -13,13 +13,15 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import DTYPE_NAMES, check_device, check_tensor, lib, module_for, raw_stream
+from ._common import DTYPE_NAMES, check_device, check_tensor, lib, module_for, on_device, raw_stream
 
 __all__ = ["paged_attention_decode", "VARIANTS", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
 HEAD_SIZES = (64, 128, 256)
 KV_LAYOUTS = ("NHD", "HND")  # [blocks, block_size, kv_heads, D] / [blocks, kv_heads, block_size, D]
 MAX_GQA = 64
+MAX_TOKENS = 2**30 - 1  # per block-table row: keeps the kernel's 32-bit token sums below 2^31
+MAX_PARTITIONS = 65535  # grid z
 DTYPES = (torch.float16, torch.bfloat16)
 WAVES_PER_BLOCK = 4  # csrc_hip/paged_attention: a block takes 4 waves x wave-size tokens per step
 
@@ -57,6 +59,9 @@ class Shape:
 
 def _split(shape: Shape, partition_size: int) -> Plan:
     parts = max(1, math.ceil(shape.max_tokens / partition_size))
+    if parts > MAX_PARTITIONS:  # larger partitions, whole tiles, within the grid
+        partition_size = math.ceil(shape.max_tokens / MAX_PARTITIONS / shape.tile) * shape.tile
+        parts = math.ceil(shape.max_tokens / partition_size)
     return Plan(1, shape.max_tokens) if parts == 1 else Plan(parts, partition_size)
 
 
@@ -135,8 +140,11 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     if block_tables.shape[0] != num_seqs or block_tables.stride(-1) != 1 or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq >= 1] with a contiguous "
                          f"last dimension, got {tuple(block_tables.shape)} strides {block_tables.stride()}")
-    if block_tables.shape[1] * bs >= 2**31:
-        raise ValueError(f"block_tables addresses {block_tables.shape[1] * bs} tokens per sequence; at most 2^31-1")
+    if block_tables.shape[1] * bs > MAX_TOKENS:
+        raise ValueError(f"block_tables addresses {block_tables.shape[1] * bs} tokens per sequence "
+                         f"(max_blocks_per_seq * block_size); at most {MAX_TOKENS}")
+    if nb < 1:
+        raise ValueError("key_cache must hold at least one block")
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(num_seqs,), gpu=False)
     if not 1 <= num_seqs <= 65535:
         raise ValueError(f"query must hold 1..65535 sequences, got {num_seqs}")
@@ -165,6 +173,11 @@ lib.define("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_
 
 
 def _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
+    on_device(query.get_device(), _launch_here, query, key_cache, value_cache, block_tables, context_lens, scale,
+              kv_layout, variant, out, lse)
+
+
+def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
     num_seqs, num_q_heads, head_size = query.shape
     nb, bs, hkv, _, sb, st, sh = _cache_dims(kv_layout, key_cache)
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -229,7 +242,9 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
             num_kv_heads, head_size], "HND": [num_blocks, num_kv_heads, block_size, head_size]; block_size
             a power of two <= 1024; rows 16-byte aligned. Any number of blocks (offsets are 64-bit).
         block_tables: int32 [num_seqs, max_blocks_per_seq]: physical block of each logical block (blocks
-            may be shared). Ids outside [0, num_blocks) are skipped (never read).
+            may be shared); max_blocks_per_seq * block_size <= 2^30 - 1. Tokens whose id lies outside
+            [0, num_blocks) are masked and never read out of bounds (on CUDA their V row is staged
+            from block 0 and weighted by 0, so a non-finite block 0 would still show).
         context_lens: int32 [num_seqs]; 0 gives a zero output row and an LSE of -inf. Lengths are
             clamped to [0, max_blocks_per_seq * block_size].
         scale: softmax scale, default 1/sqrt(head_size).

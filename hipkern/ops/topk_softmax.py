@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, raw_stream
+from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -56,9 +56,12 @@ _modules: dict = {}
 
 
 def _launch(gating_logits, topk, renormalize, weights, ids) -> None:
+    if gating_logits.shape[0]:
+        on_device(gating_logits.get_device(), _launch_here, gating_logits, topk, renormalize, weights, ids)
+
+
+def _launch_here(gating_logits, topk, renormalize, weights, ids) -> None:
     num_tokens, num_experts = gating_logits.shape
-    if num_tokens == 0:
-        return
     dev = gating_logits.get_device()
     mod = _modules.get((gating_logits.dtype, dev))
     if mod is None:
