@@ -44,6 +44,7 @@ class Schema:
     bucket_keys: tuple  # powers of two; may differ (nearest neighbour)
     param_keys: tuple  # variant parameters (int, or empty for the variant's default)
     variants: frozenset  # variant names the op has now
+    param_ranges: dict = dataclasses.field(default_factory=dict)  # param -> (lo, hi), inclusive
 
     @property
     def columns(self) -> tuple:
@@ -147,6 +148,10 @@ class _Table:
             float(raw["us"])
         except (TypeError, ValueError):
             return "a number column holds something else"
+        for k, v in row["params"].items():
+            lo, hi = s.param_ranges.get(k, (-math.inf, math.inf))
+            if not lo <= v <= hi:
+                return f"{k}={v} is outside [{lo}, {hi}]"
         if any(raw[k] in ("", None) for k in s.exact_keys):
             return "an exact key is empty"
         return row
@@ -159,14 +164,14 @@ class _Table:
         for r in self.groups.get(exact, ()):
             dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
             dist += 0.5 * (r["cu_count"] != cu_count)
-            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _neg_date(r.get("date", "")))
+            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _date_rank(r.get("date", "")))
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
         return (best, "nearest") if best is not None else (None, None)
 
 
-def _neg_date(d: str) -> tuple:
-    return tuple(-ord(c) for c in d)  # newer ISO dates sort first
+def _date_rank(d: str) -> tuple:
+    return (d == "", tuple(-ord(c) for c in d))  # newer ISO dates first, undated rows last
 
 
 def _table(op: str, arch: str) -> _Table:

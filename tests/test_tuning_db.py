@@ -8,7 +8,8 @@ from hipkern import tuning_db
 from hipkern.tuning_db import Schema, bucket, lookup
 
 SCHEMA = Schema(op="toyop", exact_keys=("dtype", "head_size"), bucket_keys=("batch", "context"),
-                param_keys=("partition_size",), variants=frozenset({"a", "b", "c"}))
+                param_keys=("partition_size",), variants=frozenset({"a", "b", "c"}),
+                param_ranges={"partition_size": (1, 4096)})
 tuning_db.register(SCHEMA)
 SHAPE = dict(dtype="bfloat16", head_size=128)
 
@@ -79,6 +80,12 @@ def test_nearest_prefers_same_cu_count_then_newer_date(shipped):
     assert find(16, 2048).variant == "c"  # same distance and buckets: the newer row
 
 
+def test_undated_rows_lose_ties(shipped):
+    # same distance (cu_count differs for both), same buckets: the dated row wins
+    write(shipped, [row("a", 16, 2048, cu=100, date=""), row("b", 16, 2048, cu=114, date="2026-05-01")])
+    assert find(16, 2048).variant == "b"
+
+
 def test_fallbacks_logged_once_and_appended_to_log_file(shipped, tmp_path, monkeypatch, caplog):
     write(shipped, [row("a", 8, 2048)])
     out = tmp_path / "untuned.csv"
@@ -113,6 +120,8 @@ def test_user_overlay_wins_row_by_row(shipped, tmp_path, monkeypatch):
     (dict(us="fast"), "a number column holds something else"),
     (dict(arch="gfx942"), "arch 'gfx942' is not 'sm_90'"),
     (dict(dtype=""), "an exact key is empty"),
+    (dict(partition_size=0), r"partition_size=0 is outside \[1, 4096\]"),
+    (dict(partition_size=8192), r"partition_size=8192 is outside \[1, 4096\]"),
 ])
 def test_malformed_row_skipped_with_one_warning(shipped, bad, msg):
     write(shipped, [row("a", 8, 2048), row(**{"variant": "b", "batch": 16, "context": 2048, **bad})])

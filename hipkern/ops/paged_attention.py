@@ -89,7 +89,8 @@ tuning_db.register(tuning_db.Schema(
     exact_keys=("dtype", "head_size", "block_size", "num_q_heads", "num_kv_heads", "kv_layout"),
     bucket_keys=("batch", "context"),
     param_keys=("partition_size",),
-    variants=frozenset(VARIANTS)))
+    variants=frozenset(VARIANTS),
+    param_ranges={"partition_size": (1, MAX_TOKENS)}))
 PLANNED = ("v4", "v5", "v6", "v7", "v16")  # named by the design, not built yet
 
 
