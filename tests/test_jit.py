@@ -137,6 +137,7 @@ def test_compile_error_names_the_log(arch, jit_dir, tiny_root, tmp_path):
     log_path = str(err.value).split("full log: ")[1].split()[0]
     assert "this is not C++" in open(log_path).read()
     assert not list((jit_dir / arch).glob("tiny-*/tiny.so"))
+    assert not list((jit_dir / arch).glob(".tmp-*"))  # the failed build's temp dir is gone
 
 
 @pytest.mark.parametrize("var,arch", [("HIPKERN_NVCC", "sm_90"), ("HIPKERN_HIP_CLANG", "gfx942")])

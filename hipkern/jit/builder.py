@@ -44,6 +44,7 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_int64, "
 
 _loaded: dict = {}
 _rebuilt: set = set()
+_load_locks: dict = {}  # (name, arch) -> lock: a build blocks only loads of the same module
 _mutex = threading.Lock()
 
 
@@ -53,7 +54,7 @@ class BuildResult:
     arch: str
     path: Path
     built: bool  # False: found in the cache
-    seconds: float
+    seconds: float  # compile time if built, else the time to find it
     resources: list
 
 
@@ -82,27 +83,36 @@ def _compile(spec: ModuleSpec, arch: str, toolchain, final_dir: Path) -> float:
     tmp.mkdir(mode=0o700)
     sources = [spec.root / "common" / "module_api.hip"] + [spec.root / s for s in spec.sources]
     cmd = toolchain.command(arch, sources, str(tmp / f"{spec.name}.so"), [spec.include_dir], dict(spec.defines))
+    try:
+        return _compile_in(spec, arch, toolchain, cmd, tmp, final_dir)
+    except BaseException:  # a failed or interrupted build leaves nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_dir: Path) -> float:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise JitError(f"could not run the compiler {cmd[0]}: {e}") from e
     seconds = time.perf_counter() - t0
     log_text = "$ " + " ".join(map(str, cmd)) + "\n" + proc.stdout + proc.stderr
     if proc.returncode != 0:
         failed = final_dir.with_name(f"{final_dir.name}.failed.log")
         failed.write_text(log_text)
-        shutil.rmtree(tmp, ignore_errors=True)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise JitError(f"building module {spec.name} for {arch} failed (exit {proc.returncode}); "
                        f"full log: {failed}\n{tail}")
     (tmp / "build.log").write_text(log_text)
     resources = parse_resources(toolchain.platform, log_text)
     (tmp / "resources.json").write_text(json.dumps({"seconds": seconds, "kernels": resources}, indent=1))
-    if final_dir.exists():  # HIPKERN_REBUILD: replace the old build
-        shutil.rmtree(final_dir)
-    os.rename(tmp, final_dir)
+    if final_dir.exists():  # HIPKERN_REBUILD: replace file by file, so a loader never finds it missing
+        for f in tmp.iterdir():
+            os.replace(f, final_dir / f.name)
+        tmp.rmdir()
+    else:
+        os.rename(tmp, final_dir)
     return seconds
 
 
@@ -120,14 +130,14 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
     t0 = time.perf_counter()
     if so.is_file() and not want_rebuild:
         return BuildResult(spec, arch, so, False, time.perf_counter() - t0, _resources(final_dir))
-    built = False
+    seconds = None  # compile time when this call built it
     with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"{spec.name} for {arch}"):
         if want_rebuild or not so.is_file():  # another process may have built it while we waited
             log.info("building module %s for %s", spec.name, arch)
-            _compile(spec, arch, toolchain, final_dir)
-            built = True
+            seconds = _compile(spec, arch, toolchain, final_dir)
             _rebuilt.add((spec.name, arch))
-    return BuildResult(spec, arch, so, built, time.perf_counter() - t0, _resources(final_dir))
+    built = seconds is not None
+    return BuildResult(spec, arch, so, built, seconds if built else time.perf_counter() - t0, _resources(final_dir))
 
 
 def _resources(final_dir: Path) -> list:
@@ -177,6 +187,8 @@ def load(spec: ModuleSpec, arch: str | None = None) -> Module:
     if mod is not None:
         return mod
     with _mutex:
+        lock = _load_locks.setdefault(key, threading.Lock())
+    with lock:
         mod = _loaded.get(key)
         if mod is None:
             platform_of(arch)

@@ -10,6 +10,7 @@ from its nearest sibling (gfx940 -> gfx942: the same bitcode with the version co
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -133,7 +134,7 @@ def _device_libs(rocm_path: str, arch: str, cache_dir: Path) -> str | None:
     if num not in _ISA_SIBLINGS:
         raise JitError(f"the ROCm device libraries in {src} do not support {arch}")
     sibling, old, new = _ISA_SIBLINGS[num]
-    dest = cache_dir / f"rocm-device-libs-{arch}"
+    dest = cache_dir / f"rocm-device-libs-{arch}-{_fingerprint(src.glob('*.bc'))}"  # new libs: new copy
     target = dest / f"oclc_isa_version_{num}.bc"
     if target.is_file():
         return str(dest)
@@ -146,13 +147,27 @@ def _device_libs(rocm_path: str, arch: str, cache_dir: Path) -> str | None:
             return str(dest)
         tmp = Path(f"{dest}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        text = subprocess.run([llvm_bin, str(src / f"oclc_isa_version_{sibling}.bc"), "-o", "-"],
-                              capture_output=True, text=True, check=True).stdout
-        subprocess.run([llvm_as, "-o", str(tmp / target.name)], input=text.replace(old, new), text=True,
-                       check=True)
-        os.rename(tmp, dest)
+        try:
+            shutil.copytree(src, tmp)
+            text = subprocess.run([llvm_bin, str(src / f"oclc_isa_version_{sibling}.bc"), "-o", "-"],
+                                  capture_output=True, text=True, check=True).stdout
+            subprocess.run([llvm_as, "-o", str(tmp / target.name)], input=text.replace(old, new), text=True,
+                           capture_output=True, check=True)
+            os.rename(tmp, dest)
+        except (OSError, subprocess.CalledProcessError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            detail = getattr(e, "stderr", "") or e
+            raise JitError(f"deriving {target.name} for {arch} from {src} failed: {detail}") from e
     return str(dest)
+
+
+def _fingerprint(paths) -> str:
+    """Short hash of the names, sizes and mtimes of some files."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        st = os.stat(p)
+        h.update(f"{os.path.basename(p)}|{st.st_size}|{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:12]
 
 
 def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
@@ -161,7 +176,10 @@ def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
         return Toolchain("cuda", nvcc, _version(nvcc, cache_dir))
     clang, rocm = _find_hip_clang()
     libs = _device_libs(rocm, arch, cache_dir)
-    return Toolchain("rocm", clang, _version(clang, cache_dir), rocm_path=rocm, device_lib_dir=libs)
+    # The HIP headers and device libraries are part of what a module is built from: in the key.
+    headers = [p for p in (Path(rocm) / "include" / "hip" / "hip_version.h",) if p.is_file()]
+    version = f"{_version(clang, cache_dir)} | hip {_fingerprint(headers)} | libs {_fingerprint(Path(libs).glob('*.bc'))}"
+    return Toolchain("rocm", clang, version, rocm_path=rocm, device_lib_dir=libs)
 
 
 # ----------------------------------------------------------------------------------------------
