@@ -1,4 +1,5 @@
-// Element types shared by kernels and by the Python side (hipkern/ops/_dtypes.py mirrors DType).
+// Element types shared by kernels and by the Python side (DTYPE_CODES in hipkern/jit/modules.py
+// mirrors DType).
 // fp16 and bf16 are carried as raw 16-bit storage with explicit conversions, so nothing here
 // depends on hip_bf16.h (missing from the Debian ROCm headers) or on cuda_bf16.h operator sets.
 #pragma once
