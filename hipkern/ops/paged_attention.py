@@ -2,7 +2,7 @@
 context_lens, *, scale=None, kv_layout="NHD", out=None, return_lse=False, variant=None)``.
 
 Variants are policies over one kernel family (csrc_hip/paged_attention/): they differ in how the
-context is split across the grid. Each is registered here with the domain it supports.
+context is split across the grid, so every variant built so far accepts every input the op accepts.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _split(shape: Shape, partition_size: int) -> Plan:
 
 
 def _plan_hybrid(shape: Shape, partition_size: int = 512, blocks_per_sm: int = 4) -> Plan:
-    """v3: split each context into partitions of whole block tiles, at most `max_partition` tokens
-    each (the best fixed size measured on the H100), and smaller when the batch alone gives fewer
+    """v3: split each context into partitions of whole block tiles, at most `partition_size` tokens
+    each (512: the best fixed size measured on the H100), and smaller when the batch alone gives fewer
     than ~`blocks_per_sm` blocks per SM; one pass when a single partition covers the context."""
     want = max(math.ceil(blocks_per_sm * shape.sm_count / shape.blocks), math.ceil(shape.max_tokens / partition_size))
     return _split(shape, math.ceil(shape.max_tokens / want / shape.tile) * shape.tile)
