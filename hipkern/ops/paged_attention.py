@@ -190,7 +190,7 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
                   WAVES_PER_BLOCK * mod.wave_size())
     params = {}
     if not variant:
-        variant, params = choose_variant(query, key_cache, block_tables, kv_layout)
+        variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, shape.max_tokens)
     plan = VARIANTS[variant].plan(shape, **params)
     part_o = part_ml = None
     if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
@@ -223,12 +223,15 @@ HEURISTIC_VARIANT = "v3"
 def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
     """(variant, params) for variant=None: the tuning database's row for this shape (exact, else
     nearest), else the heuristic default v3 with its default parameters."""
-    dev = query.get_device()
-    nb, bs, hkv, d, *_ = _cache_dims(kv_layout, key_cache)
+    _, bs, hkv, d, *_ = _cache_dims(kv_layout, key_cache)
+    return _lookup(query.get_device(), query, d, bs, hkv, kv_layout, block_tables.shape[1] * bs)
+
+
+def _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens) -> tuple:
     choice = tuning_db.lookup(
-        "paged_attention", jit.current_arch(dev), _sm_count(dev), dtype=DTYPE_NAMES[query.dtype], head_size=d,
-        block_size=bs, num_q_heads=query.shape[1], num_kv_heads=hkv, kv_layout=kv_layout,
-        batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(block_tables.shape[1] * bs))
+        "paged_attention", jit.current_arch(dev), _sm_count(dev), dtype=DTYPE_NAMES[query.dtype],
+        head_size=head_size, block_size=block_size, num_q_heads=query.shape[1], num_kv_heads=num_kv_heads,
+        kv_layout=kv_layout, batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(max_tokens))
     return (choice.variant, choice.params) if choice else (HEURISTIC_VARIANT, {})
 
 

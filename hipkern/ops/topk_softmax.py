@@ -52,9 +52,6 @@ def _outputs(gating_logits, topk):
             torch.empty((n, topk), dtype=torch.int32, device=dev))
 
 
-_modules: dict = {}
-
-
 def _launch(gating_logits, topk, renormalize, weights, ids) -> None:
     if gating_logits.shape[0]:
         on_device(gating_logits.get_device(), _launch_here, gating_logits, topk, renormalize, weights, ids)
@@ -63,10 +60,7 @@ def _launch(gating_logits, topk, renormalize, weights, ids) -> None:
 def _launch_here(gating_logits, topk, renormalize, weights, ids) -> None:
     num_tokens, num_experts = gating_logits.shape
     dev = gating_logits.get_device()
-    mod = _modules.get((gating_logits.dtype, dev))
-    if mod is None:
-        mod = _modules[(gating_logits.dtype, dev)] = module_for("topk_softmax", dev,
-                                                                 dtype=DTYPE_NAMES[gating_logits.dtype])
+    mod = module_for("topk_softmax", dev, dtype=DTYPE_NAMES[gating_logits.dtype])
     rc = mod.hk_topk_softmax(gating_logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), num_tokens,
                              num_experts, topk, int(renormalize), dev, raw_stream(dev))
     if rc:
