@@ -182,8 +182,8 @@ def test_arch_names(monkeypatch):
 #    for 4 blocks per SM; with the 16-72 B spill it ran 16 x 2048 x (64 q, 8 kv) in 87.6 us against
 #    117.7 us uncapped (H100, 2026-11-22, csrc_hip/paged_attention/NOTES.md version 4).
 ALLOWED_SPILLS = {
-    ("sm_90", "void hk::paged_attention::decode_kernel<hk::half_t, 128, 8>"): 128,
-    ("sm_90", "void hk::paged_attention::decode_kernel<hk::bf16_t, 128, 8>"): 128,
+    ("sm_90", "void hk::paged_attention::simt::decode_kernel<hk::half_t, 128, 8>"): 128,
+    ("sm_90", "void hk::paged_attention::simt::decode_kernel<hk::bf16_t, 128, 8>"): 128,
 }
 
 

@@ -49,7 +49,8 @@ def run_and_check(case, layout="NHD", variant=None, scale=None, msg=""):
 
 
 def edge_lengths(block_size, partition=512):
-    return sorted({1, block_size - 1, block_size, block_size + 1, partition - 1, partition, partition + 1,
+    """Block, tile (64: the mma kernel's) and partition (512, 1024) boundaries +-1, and 2048."""
+    return sorted({1, block_size - 1, block_size, block_size + 1, 63, 65, partition - 1, partition, partition + 1,
                    2 * partition - 1, 2 * partition + 1, 2048} - {0})
 
 
@@ -116,9 +117,14 @@ def test_invalid_metadata_never_reads_out_of_bounds():
     bt[0, 1] = -5
     bt[1, 0] = k.shape[0] + 1000
     cl[1] = 10**6  # beyond what the block-table row addresses: clamped
+    unused = sorted(set(range(k.shape[0])) - set(bt.flatten().tolist()))
+    if 0 not in unused:  # block 0 (where a masked token's row would point if offsets were clamped) too
+        bt[bt == 0] = unused.pop()
+        unused.append(0)
+    k[unused], v[unused] = float("nan"), float("nan")  # a masked token must not read (or weigh) these
     for variant in VARIANT_NAMES:
         o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)
-        assert torch.isfinite(o).all()
+        assert torch.isfinite(o).all(), variant
 
 
 @pytest.mark.gpu
@@ -198,7 +204,7 @@ def _call(c, **kw):
     (dict(context_lens=torch.ones(2, dtype=torch.int64)), {}, "context_lens must be one of int32"),
     ({}, dict(kv_layout="NDH"), "kv_layout must be one of"),
     ({}, dict(variant="v99"), "variant must be None or one of"),
-    ({}, dict(variant="v16"), "v16 is designed but not built yet"),
+    ({}, dict(variant="v4"), "v4 is designed but not built yet"),
     ({}, dict(scale=float("nan")), "scale must be a finite float"),
     ({}, dict(return_lse=1), "return_lse must be a bool"),
     ({}, dict(out=torch.empty(2, 8, 64, dtype=torch.bfloat16)), r"out must have shape \(2, 8, 128\)"),
@@ -223,7 +229,7 @@ def test_split_stays_within_the_grid():
     from hipkern.ops.paged_attention import MAX_PARTITIONS, Shape, _split
 
     for max_tokens, size in ((2**30 - 1, 512), (10**8, 1), (4096, 512), (100, 512)):
-        shape = Shape(1, 1, 1, max_tokens, 132, 128)
+        shape = Shape(1, 1, 1, max_tokens, 132, 128, 1)
         plan = _split(shape, size)
         assert 1 <= plan.num_partitions <= MAX_PARTITIONS
         assert plan.num_partitions * plan.partition_size >= max_tokens

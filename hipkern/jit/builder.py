@@ -62,6 +62,8 @@ def _source_files(spec: ModuleSpec) -> list[Path]:
     files = sorted(p for p in spec.include_dir.rglob("*") if p.is_file())
     files.append(spec.root / "common" / "module_api.hip")
     files += [spec.root / s for s in spec.sources]
+    for d in sorted({(spec.root / s).parent for s in spec.sources}):  # headers beside the sources
+        files += sorted(p for p in d.glob("*.h") if p.is_file())
     for f in files:
         if not f.is_file():
             raise JitError(f"module {spec.name}: source {f} is missing")

@@ -45,16 +45,40 @@ MODULE_FAMILIES = {
     },
     "paged_attention": {
         "params": {"dtype": ("float16", "bfloat16"), "head_size": (64, 128, 256)},
-        "sources": ("paged_attention/paged_attention.hip",),
+        "sources": ("paged_attention/paged_attention.hip",),  # + common.h, decode_simt.h, decode_mma.h
         "defines": lambda dtype, head_size: (("HK_DTYPE", DTYPE_CODES[dtype]), ("HK_HEAD_SIZE", head_size)),
         "functions": (
             # q, q_stride_s, q_stride_h, k, v, kv_stride_block, kv_stride_tok, kv_stride_head,
             # block_tables, bt_stride, context_lens, out, lse, part_o, part_ml, num_seqs, num_q_heads,
             # num_kv_heads, block_size_log2, max_blocks_per_seq, num_blocks, num_partitions,
-            # partition_size, heads_per_block, scale, device, stream
+            # partition_size, kernel, heads_per_block, scale, device, stream
             ("hk_paged_attention_decode", "i32",
              ("ptr", "i64", "i64", "ptr", "ptr", "i64", "i64", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr",
-              "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+              "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+        ),
+    },
+    "grouped_topk": {
+        "params": {"dtype": tuple(DTYPE_CODES)},
+        "sources": ("grouped_topk/grouped_topk.hip",),
+        "defines": lambda dtype: (("HK_DTYPE", DTYPE_CODES[dtype]),),
+        "functions": (
+            # logits, bias, weights, ids, num_tokens, num_experts, topk, num_groups, topk_group, scoring,
+            # renormalize, scale, device, stream
+            ("hk_grouped_topk", "i32",
+             ("ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+        ),
+    },
+    "moe_sorting": {
+        "params": {},
+        "sources": ("moe_sorting/moe_sorting.hip",),
+        "defines": lambda: (),
+        "functions": (
+            # num_pairs, num_experts -> int32 elements of workspace
+            ("hk_moe_sorting_workspace", "i64", ("i32", "i32")),
+            # ids, expert_map, sorted, expert_ids, num_post, workspace, workspace_len, num_pairs,
+            # num_experts, block_m, max_padded, device, stream
+            ("hk_moe_sorting", "i32",
+             ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "ptr")),
         ),
     },
 }

@@ -1,8 +1,10 @@
 """Paged-attention decode: ``paged_attention_decode(query, key_cache, value_cache, block_tables,
 context_lens, *, scale=None, kv_layout="NHD", out=None, return_lse=False, variant=None)``.
 
-Variants are policies over one kernel family (csrc_hip/paged_attention/): they differ in how the
-context is split across the grid, so every variant built so far accepts every input the op accepts.
+Variants are policies over two kernels (csrc_hip/paged_attention/): "simt" (CUDA cores, lane-per-
+token QK^T, up to 8 query heads per block) and "mma" (matrix cores, the whole GQA group per block,
+K/V pipelined through shared memory); a variant picks a kernel and how the context is split across
+the grid. Every variant built so far accepts every input the op accepts.
 """
 from __future__ import annotations
 
@@ -23,7 +25,19 @@ MAX_GQA = 64
 MAX_TOKENS = 2**30 - 1  # per block-table row: keeps the kernel's 32-bit token sums below 2^31
 MAX_PARTITIONS = 65535  # grid z
 DTYPES = (torch.float16, torch.bfloat16)
-WAVES_PER_BLOCK = 4  # csrc_hip/paged_attention: a block takes 4 waves x wave-size tokens per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    code: int  # the module's `kernel` argument
+    tile: callable  # wave size -> tokens a block takes per step (partitions are whole tiles)
+    heads_per_block: callable  # GQA group -> query heads per block
+
+
+KERNELS = {
+    "simt": Kernel(0, lambda wave: 4 * wave, lambda group: min(8, 1 << (group - 1).bit_length())),  # decode_simt.h
+    "mma": Kernel(1, lambda wave: 64, lambda group: min(64, max(16, 1 << (group - 1).bit_length()))),  # decode_mma.h
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +51,7 @@ class Variant:
     name: str
     idea: str
     plan: callable  # (Shape, **params) -> Plan; params: partition_size (the largest partition)
+    kernel: str = "simt"  # a key of KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +62,19 @@ class Shape:
     max_tokens: int  # what a block-table row addresses: an upper bound of every context length
     sm_count: int
     tile: int  # tokens a block takes per step
-
-    @property
-    def heads_per_block(self) -> int:
-        return min(8, 1 << (self.group - 1).bit_length())
+    heads_per_block: int
 
     @property
     def blocks(self) -> int:  # thread blocks of one partition
         return self.num_seqs * self.num_kv_heads * math.ceil(self.group / self.heads_per_block)
+
+
+def make_shape(variant: Variant, num_seqs, num_q_heads, num_kv_heads, max_tokens, sm_count, wave_size) -> Shape:
+    """The launch geometry `variant`'s plan sees (for the op, the tuner and the benchmark)."""
+    kernel = KERNELS[variant.kernel]
+    group = num_q_heads // num_kv_heads
+    return Shape(num_seqs, num_kv_heads, group, max_tokens, sm_count, kernel.tile(wave_size),
+                 kernel.heads_per_block(group))
 
 
 def _split(shape: Shape, partition_size: int) -> Plan:
@@ -79,6 +99,10 @@ VARIANTS = {
                   _plan_hybrid),
     "v9": Variant("v9", "multi-warp GQA block over fixed partitions, 512 tokens by default (always split-K)",
                   lambda shape, partition_size=512: _split(shape, partition_size)),
+    "v16": Variant("v16", "matrix cores: the whole GQA group (16-row tiles) against K/V tiles of 64 tokens "
+                   "pipelined through shared memory; v3's hybrid split with partitions <= 1024 tokens and "
+                   "~2 blocks per SM", lambda shape, partition_size=1024: _plan_hybrid(shape, partition_size, 2),
+                   kernel="mma"),
 }
 
 # Tuning-database schema (hipkern/tuning_db.py): the batch and context buckets are powers of two;
@@ -91,7 +115,7 @@ tuning_db.register(tuning_db.Schema(
     param_keys=("partition_size",),
     variants=frozenset(VARIANTS),
     param_ranges={"partition_size": (1, MAX_TOKENS)}))
-PLANNED = ("v4", "v5", "v6", "v7", "v16")  # named by the design, not built yet
+PLANNED = ("v4", "v5", "v6", "v7")  # named by the design, not built yet
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,12 +210,17 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
             raise ValueError(f"{name} must start at a 16-byte aligned address")
     dev = query.get_device()
     mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
-    shape = Shape(num_seqs, hkv, num_q_heads // hkv, block_tables.shape[1] * bs, _sm_count(dev),
-                  WAVES_PER_BLOCK * mod.wave_size())
     params = {}
     if not variant:
-        variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, shape.max_tokens)
-    plan = VARIANTS[variant].plan(shape, **params)
+        variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, block_tables.shape[1] * bs)
+    var = VARIANTS[variant]
+    kernel = KERNELS[var.kernel]
+    if var.kernel == "mma" and head_size == 256 and mod.wave_size() == 64:
+        raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
+                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
+    shape = make_shape(var, num_seqs, num_q_heads, hkv, block_tables.shape[1] * bs, _sm_count(dev),
+                       mod.wave_size())
+    plan = var.plan(shape, **params)
     part_o = part_ml = None
     if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
         part_o = torch.empty((num_seqs, num_q_heads, plan.num_partitions, head_size), dtype=torch.float32,
@@ -203,8 +232,8 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
         lse.data_ptr() if lse.numel() else None, part_o.data_ptr() if part_o is not None else None,
         part_ml.data_ptr() if part_ml is not None else None, num_seqs, num_q_heads, hkv, bs.bit_length() - 1,
-        block_tables.shape[1], nb, plan.num_partitions, plan.partition_size, shape.heads_per_block, scale, dev,
-        raw_stream(dev))
+        block_tables.shape[1], nb, plan.num_partitions, plan.partition_size, kernel.code, shape.heads_per_block,
+        scale, dev, raw_stream(dev))
     if rc:
         mod.check(rc, "paged_attention_decode")
 
@@ -247,8 +276,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
             a power of two <= 1024; rows 16-byte aligned. Any number of blocks (offsets are 64-bit).
         block_tables: int32 [num_seqs, max_blocks_per_seq]: physical block of each logical block (blocks
             may be shared); max_blocks_per_seq * block_size <= 2^30 - 1. Tokens whose id lies outside
-            [0, num_blocks) are masked and never read out of bounds (on CUDA their V row is staged
-            from block 0 and weighted by 0, so a non-finite block 0 would still show).
+            [0, num_blocks) are masked: never read.
         context_lens: int32 [num_seqs]; 0 gives a zero output row and an LSE of -inf. Lengths are
             clamped to [0, max_blocks_per_seq * block_size].
         scale: softmax scale, default 1/sqrt(head_size).

@@ -63,6 +63,13 @@ typedef cudaStream_t hipStream_t;
   kernel<<<(grid), (block), (shmem), (stream)>>>(__VA_ARGS__)
 #endif
 
+// The device attribute: the most dynamic shared memory (LDS) one block may use (opt-in on CUDA).
+#if defined(HK_PLATFORM_CUDA)
+#define HK_ATTR_MAX_BLOCK_SHARED cudaDevAttrMaxSharedMemoryPerBlockOptin
+#else
+#define HK_ATTR_MAX_BLOCK_SHARED hipDeviceAttributeMaxSharedMemoryPerBlock
+#endif
+
 namespace hk {
 
 constexpr int kWaveSize = HK_WAVE_SIZE;
@@ -125,9 +132,35 @@ HK_DEVICE void async_copy16(void* smem, const void* gmem) {
 #endif
 }
 
+// As async_copy16, but when `valid` is false the 16 shared bytes are zeroed and gmem is not read.
+HK_DEVICE void async_copy16_or_zero(void* smem, const void* gmem, bool valid) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
 HK_DEVICE void async_copy_wait() {
 #if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Pipelines: async_copy_commit() closes this thread's group of copies issued since the last one;
+// async_copy_wait_pending<N>() waits until at most N of its groups are still in flight.
+HK_DEVICE void async_copy_commit() {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+HK_DEVICE void async_copy_wait_pending() {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 
@@ -136,6 +169,27 @@ HK_DEVICE lanemask_t ballot(bool pred) {
   return __ballot(pred);
 #else
   return __ballot_sync(kFullMask, pred);
+#endif
+}
+
+// Lanes below this one, as a mask; and the number of lanes set in a mask.
+HK_DEVICE lanemask_t lanemask_lt() { return ((lanemask_t)1 << lane_id()) - 1; }
+HK_DEVICE int popc(lanemask_t m) { return __popcll((unsigned long long)m); }
+
+// Lanes of the wave whose `v` equals this lane's, as a mask (v < 2^bits). All lanes must call it.
+// One match.any on NVIDIA (sm_70+); elsewhere one ballot per bit of v.
+HK_DEVICE lanemask_t match_any(uint32_t v, int bits) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  (void)bits;
+  return __match_any_sync(kFullMask, v);
+#else
+  lanemask_t m = ~(lanemask_t)0;
+  for (int b = 0; b < bits; ++b) {
+    const bool set = (v >> b) & 1u;
+    const lanemask_t on = ballot(set);
+    m &= set ? on : ~on;
+  }
+  return m;
 #endif
 }
 

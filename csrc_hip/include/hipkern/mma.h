@@ -1,0 +1,188 @@
+// Matrix-core tiles behind one interface: mma.sync m16n8k16 on NVIDIA (sm_80+) and MFMA 16x16x16 on
+// CDNA (gfx90a/gfx94x), for fp16/bf16 inputs with fp32 accumulation, one wave per product.
+//
+//   MmaTile<T>::M, N, K    the product is C[M x N] += A[M x K] * B[K x N] (M = K = 16; N = 8 / 16)
+//   A, B, C                per-lane fragments (C is kC floats)
+//   load_a(a, s, ld)       A from shared memory, row-major, row stride ld elements
+//   load_b_nk(b, s, ld)    B from shared memory holding B^T row-major ([N][K], k contiguous)
+//   load_b_kn(b, s, ld)    B from shared memory holding B row-major ([K][N], n contiguous)
+//   mma(c, a, b)           c += a * b
+//   c_row(i), c_col(i)     where the lane's accumulator element i sits in C
+//   row_slot(i)            which of the lane's kRowSlots distinct rows element i belongs to
+//   kRowLanes              the aligned group of lanes that together hold one row of C
+//   a_from_c(a, c, tmp)    the A operand [M x 16] made of the accumulator tiles c[0 .. 16 / N),
+//                          rounded to T (flash attention's P); tmp: M x K elements of this wave's
+//                          shared memory, used where the layouts differ (CDNA), unused on NVIDIA.
+//
+// Shared-memory rows handed to the loads must be 16-byte aligned (ld a multiple of 8 elements).
+// On NVIDIA, a row stride of (a multiple of 128 bytes) + 16 bytes keeps ldmatrix free of bank
+// conflicts. The CDNA lane layouts are those of the CDNA3 ISA guide; they are built and loaded for
+// gfx942 here but have never run on an AMD GPU.
+#pragma once
+
+#include "hipkern/dtype.h"
+#include "hipkern/vec.h"
+
+namespace hk {
+
+#if defined(HK_PLATFORM_CUDA)
+
+HK_DEVICE unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// Two floats rounded to one register of T pairs, the first in the low half.
+HK_DEVICE uint32_t pack2(float lo, float hi, bf16_t) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+HK_DEVICE uint32_t pack2(float lo, float hi, half_t) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <typename T> struct mma_ptx;
+template <> struct mma_ptx<bf16_t> {
+  static HK_DEVICE void run(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <> struct mma_ptx<half_t> {
+  static HK_DEVICE void run(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// Lane l, g = l / 4, t = l % 4. A: a[0..3] = (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..);
+// B: b[0..1] = (k 2t..2t+1, n g), (k 2t+8.., n g); C: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+template <typename T>
+struct MmaTile {
+  static constexpr int M = 16, N = 8, K = 16, kC = 4, kRowLanes = 4, kRowSlots = 2;
+  struct A { uint32_t r[4]; };
+  struct B { uint32_t r[2]; };
+  typedef float C[kC];
+
+  static HK_DEVICE int c_row(int i) { return lane_id() / 4 + 8 * (i / 2); }
+  static HK_DEVICE int c_col(int i) { return 2 * (lane_id() % 4) + i % 2; }
+  static HK_DEVICE int row_slot(int i) { return i / 2; }
+
+  static HK_DEVICE void load_a(A& a, const T* s, int ld) {  // matrices (rows 0-7|8-15) x (k 0-7|8-15)
+    const int l = lane_id();
+    const T* row = s + (l % 16) * ld + 8 * (l / 16);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a.r[0]), "=r"(a.r[1]), "=r"(a.r[2]), "=r"(a.r[3])
+                 : "r"(smem_addr(row))
+                 : "memory");
+  }
+  static HK_DEVICE void load_b_nk(B& b, const T* s, int ld) {  // matrices n 0-7 x (k 0-7 | 8-15)
+    const int l = lane_id() % 16;
+    const T* row = s + (l % 8) * ld + 8 * (l / 8);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b.r[0]), "=r"(b.r[1])
+                 : "r"(smem_addr(row))
+                 : "memory");
+  }
+  static HK_DEVICE void load_b_kn(B& b, const T* s, int ld) {  // rows k 0-7 | 8-15, transposed
+    const int l = lane_id() % 16;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(b.r[0]), "=r"(b.r[1])
+                 : "r"(smem_addr(s + l * ld))
+                 : "memory");
+  }
+  static HK_DEVICE void mma(C& c, const A& a, const B& b) { mma_ptx<T>::run(c, a.r, b.r); }
+  static HK_DEVICE void a_from_c(A& a, const C* c, T* /*tmp*/) {  // C tiles of columns 0-7 and 8-15
+    a.r[0] = pack2(c[0][0], c[0][1], T());
+    a.r[1] = pack2(c[0][2], c[0][3], T());
+    a.r[2] = pack2(c[1][0], c[1][1], T());
+    a.r[3] = pack2(c[1][2], c[1][3], T());
+  }
+};
+
+#else  // CDNA
+
+typedef short v4i16_t __attribute__((ext_vector_type(4)));
+typedef _Float16 v4f16_t __attribute__((ext_vector_type(4)));
+typedef float v4f32_t __attribute__((ext_vector_type(4)));
+
+template <typename T> struct mfma_op;
+template <> struct mfma_op<bf16_t> {
+  static HK_DEVICE v4f32_t run(const bf16_t (&a)[4], const bf16_t (&b)[4], v4f32_t c) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    v4i16_t av, bv;
+    __builtin_memcpy(&av, a, 8);
+    __builtin_memcpy(&bv, b, 8);
+    return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(av, bv, c, 0, 0, 0);
+#else
+    return c;  // host pass: never called
+#endif
+  }
+};
+template <> struct mfma_op<half_t> {
+  static HK_DEVICE v4f32_t run(const half_t (&a)[4], const half_t (&b)[4], v4f32_t c) {
+#if defined(__HIP_DEVICE_COMPILE__)
+    v4f16_t av, bv;
+    __builtin_memcpy(&av, a, 8);
+    __builtin_memcpy(&bv, b, 8);
+    return __builtin_amdgcn_mfma_f32_16x16x16f16(av, bv, c, 0, 0, 0);
+#else
+    return c;
+#endif
+  }
+};
+
+#if defined(__HIP_DEVICE_COMPILE__) && !(defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
+                                         defined(__gfx942__))
+#error "hipkern/mma.h: MFMA 16x16x16 needs a CDNA2/CDNA3 target (gfx90a, gfx94x)"
+#endif
+
+// Wave64, lane l: A holds (row l % 16, k 4(l / 16) .. +3); B (k 4(l / 16) .. +3, col l % 16);
+// C (row 4(l / 16) + i, col l % 16), i = 0..3.
+template <typename T>
+struct MmaTile {
+  static_assert(kWaveSize == 64, "MFMA tiles are wave64");
+  static constexpr int M = 16, N = 16, K = 16, kC = 4, kRowLanes = 16, kRowSlots = 4;
+  struct A { T e[4]; };
+  struct B { T e[4]; };
+  typedef float C[kC];
+
+  static HK_DEVICE int c_row(int i) { return 4 * (lane_id() / 16) + i; }
+  static HK_DEVICE int c_col(int) { return lane_id() % 16; }
+  static HK_DEVICE int row_slot(int i) { return i; }
+
+  static HK_DEVICE void load_a(A& a, const T* s, int ld) {
+    const int l = lane_id();
+    load_vec<T, 4>(s + (l % 16) * ld + 4 * (l / 16), a.e);
+  }
+  static HK_DEVICE void load_b_nk(B& b, const T* s, int ld) {
+    const int l = lane_id();
+    load_vec<T, 4>(s + (l % 16) * ld + 4 * (l / 16), b.e);
+  }
+  static HK_DEVICE void load_b_kn(B& b, const T* s, int ld) {
+    const int l = lane_id();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b.e[i] = s[(4 * (l / 16) + i) * ld + l % 16];
+  }
+  static HK_DEVICE void mma(C& c, const A& a, const B& b) {
+    v4f32_t acc = {c[0], c[1], c[2], c[3]};
+    acc = mfma_op<T>::run(a.e, b.e, acc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = acc[i];
+  }
+  static HK_DEVICE void a_from_c(A& a, const C* c, T* tmp) {  // C and A lay rows out differently
+    wave_sync();
+#pragma unroll
+    for (int i = 0; i < kC; ++i) tmp[c_row(i) * K + c_col(i)] = from_float<T>(c[0][i]);
+    wave_sync();
+    load_a(a, tmp, K);
+  }
+};
+
+#endif
+
+}  // namespace hk

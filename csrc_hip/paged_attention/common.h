@@ -1,0 +1,134 @@
+// Shared by the paged-attention decode kernels: the launch parameters, the clamps that keep invalid
+// metadata in bounds, the end of a block (merge its waves' softmax states, write the output or a
+// split-K partial) and the kernel that merges partials.
+#pragma once
+
+#include "hipkern/error.h"
+#include "hipkern/online_softmax.h"
+#include "hipkern/reduce.h"
+#include "hipkern/vec.h"
+
+namespace hk {
+namespace paged_attention {
+
+struct Params {
+  const void* q;
+  int64_t q_stride_s, q_stride_h;
+  const void* k;
+  const void* v;
+  int64_t kv_stride_block, kv_stride_tok, kv_stride_head;
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* context_lens;
+  void* out;     // [num_seqs, num_q_heads, D], contiguous
+  float* lse;    // [num_seqs, num_q_heads] or null
+  float* part_o;   // [num_seqs, num_q_heads, num_partitions, D] (split only)
+  float* part_ml;  // [num_seqs, num_q_heads, num_partitions, 2] (split only)
+  int num_q_heads, group, block_size_log2, num_partitions, partition_size;
+  int max_blocks_per_seq, num_blocks;  // context lengths and block ids are clamped to these
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+// A sequence's context length, clamped to what its block-table row can address (never negative).
+HK_DEVICE int context_len(const Params& p, int seq) {
+  const int64_t cap = (int64_t)p.max_blocks_per_seq << p.block_size_log2;
+  const int64_t len = p.context_lens[seq];
+  return (int)(len < 0 ? 0 : len > cap ? cap : len);
+}
+
+// Row offset (elements) of token t of sequence `seq`'s block-table row `bt`, or -1 when its block id
+// lies outside the cache (the token is then masked, never read).
+HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
+  const int blk = bt[t >> p.block_size_log2];
+  if (blk < 0 || blk >= p.num_blocks) return -1;
+  return (int64_t)blk * p.kv_stride_block + (int64_t)(t & ((1 << p.block_size_log2) - 1)) * p.kv_stride_tok;
+}
+
+// The end of a block: merge kStates softmax states of its nh query heads (m_w, l_w: [kStates][kRows];
+// a_w: [kStates][kRows][D], in shared memory) and write the output rows (one partition) or this
+// partition's unnormalised partial and (m, l).
+template <typename T, int D, int kStates, int kRows, int kThreads>
+HK_DEVICE void finish(const Params& p, const float* m_w, const float* l_w, const float* a_w, int seq, int head0,
+                      int nh, int part) {
+  for (int i = threadIdx.x; i < nh * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kStates; ++w) M = fmaxf(M, m_w[w * kRows + h]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < kStates; ++w) {
+      const float c = merge_weight(m_w[w * kRows + h], M);
+      L += l_w[w * kRows + h] * c;
+      O += a_w[(w * kRows + h) * D + d] * c;
+    }
+    const int64_t sh = (int64_t)seq * p.num_q_heads + head0 + h;
+    if (p.num_partitions == 1) {
+      static_cast<T*>(p.out)[sh * D + d] = from_float<T>(normalise(O, L));
+      if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
+    } else {
+      const int64_t sp = sh * p.num_partitions + part;
+      p.part_o[sp * D + d] = O;
+      if (d == 0) {
+        p.part_ml[2 * sp] = M;
+        p.part_ml[2 * sp + 1] = L;
+      }
+    }
+  }
+}
+
+// Combine the partials of one (sequence, head): grid (num_q_heads, num_seqs), D threads.
+template <typename T, int D>
+__global__ __launch_bounds__(D) void merge_kernel(Params p) {
+  const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+  const int len = context_len(p, seq);
+  const int n = (len + p.partition_size - 1) / p.partition_size;  // partials that were written
+  const int64_t sh = (int64_t)seq * p.num_q_heads + head;
+  const float* ml = p.part_ml + sh * p.num_partitions * 2;
+  const float* po = p.part_o + sh * p.num_partitions * D;
+  float M = -INFINITY;
+  for (int i = 0; i < n; ++i) M = fmaxf(M, ml[2 * i]);
+  float L = 0.f, O = 0.f;
+  for (int i = 0; i < n; ++i) {
+    const float c = merge_weight(ml[2 * i], M);
+    L += ml[2 * i + 1] * c;
+    O += po[(int64_t)i * D + d] * c;
+  }
+  static_cast<T*>(p.out)[sh * D + d] = from_float<T>(normalise(O, L));
+  if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
+}
+
+// Launch a decode kernel over grid (blocks_x, num_seqs, num_partitions), then the merge if split.
+// Dynamic shared memory above the default 48 KB is checked against the device's limit and opted
+// into, once per kernel and device: `raised` is the kernel's own bit set of devices done (devices
+// >= 64 check at every launch).
+template <typename T, int D, typename Kernel>
+int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, unsigned blocks_x, int num_seqs,
+                  int threads, int smem_bytes, int device, hipStream_t stream, const char* name /* "launch of ..." */) {
+  if (smem_bytes > 48 * 1024) {
+    const unsigned long long bit = device < 64 ? 1ull << device : 0;
+    if (!(__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit)) {
+      int most = 0;
+      HK_CHECK(hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device));
+      if (smem_bytes > most)
+        return set_invalid("this kernel's shared memory per block exceeds the device's (choose another variant or "
+                           "head size)", __FILE__, __LINE__);
+      HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize,
+                                   smem_bytes));
+      __atomic_fetch_or(&raised, bit, __ATOMIC_RELAXED);
+    }
+  }
+  const dim3 grid(blocks_x, (unsigned)num_seqs, (unsigned)p.num_partitions);
+  hipLaunchKernelGGL(kernel, grid, dim3(threads), smem_bytes, stream, p);
+  const hipError_t err = hipGetLastError();
+  if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
+  if (p.num_partitions > 1) {
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(merge_kernel<T, D>), dim3((unsigned)p.num_q_heads, (unsigned)num_seqs),
+                       dim3(D), 0, stream, p);
+    HK_CHECK_LAUNCH("paged_attention merge_kernel");
+  }
+  return 0;
+}
+
+}  // namespace paged_attention
+}  // namespace hk

@@ -1,0 +1,232 @@
+// Paged-attention decode on matrix cores (variant v16).
+//
+// One block of 4 waves per (KV head, sequence, partition); the block's query heads (the whole GQA
+// group up to 64, as 16-row tiles: WM tiles of 16 heads) are the M side of every product.
+//   Pipeline: the partition's tokens go through shared memory in tiles of kTile tokens, kStages
+//     deep: all threads issue coalesced 16-byte asynchronous copies of the K and V rows of tile i+S-1
+//     (rows of masked tokens zero-filled, never read) while the waves compute tile i. Where copies
+//     are synchronous (CDNA here) one stage is used: 64 KB of LDS holds no more, and it does not fit
+//     head size 256 at all (the launcher reports it; the Python op rejects it first).
+//   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
+//     its kTile / WN tokens, S = Q K^T (MmaTile, fp32), the online softmax in the log2 domain on the
+//     accumulators, and O += P V with P rounded to the cache dtype (as flash attention does).
+//   The WN states of each head tile merge through shared memory (finish() in common.h).
+// Query rows beyond the group are zero and never written. Row strides in shared memory are padded
+// by 16 bytes (conflict-free ldmatrix on NVIDIA).
+#pragma once
+
+#include "common.h"
+#include "hipkern/mma.h"
+
+namespace hk {
+namespace paged_attention {
+namespace mma {
+
+constexpr int kWaves = 4, kThreads = kWaves * kWaveSize;
+
+template <typename T, int D, int WM>
+struct Cfg {
+  typedef MmaTile<T> MT;
+  static constexpr int kWaves = mma::kWaves, kThreads = mma::kThreads;
+  static constexpr int WN = kWaves / WM;  // waves sharing a head tile, each on a token slice
+  static constexpr int kTile = 64;        // tokens per pipeline stage
+  static constexpr int kStages = !kAsyncCopy ? 1 : D <= 128 ? 3 : 2;
+  static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
+  static constexpr int kRows = 16 * WM;      // query heads per block
+  static constexpr int kLd = D + 8;          // shared row stride, elements
+  static constexpr int kVec = 16 / (int)sizeof(T);
+  static constexpr int kChunks = D / kVec;   // 16-byte chunks per row
+  // shared memory (bytes): Q | per-wave P scratch | pipeline (reused by the merge) | token flags
+  static constexpr int kQ = kRows * kLd * (int)sizeof(T);
+  static constexpr int kScratch = kWaves * MT::M * MT::K * (int)sizeof(T);
+  static constexpr int kStage = kTile * kLd * (int)sizeof(T);  // one K or V tile
+  static constexpr int kPipe = 2 * kStages * kStage;
+  static constexpr int kMerge = WN * kRows * (2 + D) * 4;
+  static constexpr int kFlags = kStages * kTile;
+  static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kFlags;
+  static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
+  static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
+};
+
+template <typename T, int D, int WM>
+__global__ HK_LAUNCH_BOUNDS(kThreads, 1) void decode_kernel(Params p) {
+  typedef Cfg<T, D, WM> C;
+  typedef typename C::MT MT;
+  constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
+  constexpr int kND = D / MT::N;          // output tiles per wave
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+  T* scratch = reinterpret_cast<T*>(smem_raw + C::kQ);
+  unsigned char* pipe = smem_raw + C::kQ + C::kScratch;
+  T* k_s = reinterpret_cast<T*>(pipe);    // [kStages][kTile][kLd]
+  T* v_s = k_s + C::kStages * C::kTile * C::kLd;
+  uint8_t* ok_s = pipe + (C::kPipe > C::kMerge ? C::kPipe : C::kMerge);  // [kStages][kTile]
+
+  const int hgroups = (p.group + C::kRows - 1) / C::kRows;
+  const int kvh = blockIdx.x / hgroups;
+  const int hg = blockIdx.x % hgroups;
+  const int seq = blockIdx.y;
+  const int part = blockIdx.z;
+  const int len = context_len(p, seq);
+  const int start = part * p.partition_size;
+  if (p.num_partitions > 1 && start >= len) return;  // merge_kernel never reads this partial
+  const int end = min(len, start + p.partition_size);
+  const int head0 = kvh * p.group + hg * C::kRows;
+  const int nh = min(C::kRows, p.group - hg * C::kRows);
+
+  const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s;
+  for (int i = threadIdx.x; i < C::kRows * D; i += C::kThreads) {
+    const int h = i / D, d = i % D;
+    q_s[h * C::kLd + d] = h < nh ? q[(int64_t)(head0 + h) * p.q_stride_h + d] : T();
+  }
+
+  const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
+  const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
+  const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
+  const int ntiles = (end - start + C::kTile - 1) / C::kTile;
+  auto load_tile = [&](int tile) {  // every thread: its share of the tile's K and V chunks
+    const int buf = tile % C::kStages, t0 = start + tile * C::kTile;
+    T* ks = k_s + buf * C::kTile * C::kLd;
+    T* vs = v_s + buf * C::kTile * C::kLd;
+    for (int i = threadIdx.x; i < C::kTile * C::kChunks; i += C::kThreads) {
+      const int r = i / C::kChunks, c = i % C::kChunks, t = t0 + r;
+      const int64_t off = t < end ? token_offset(p, bt, t) : -1;
+      const int64_t src = (off < 0 ? 0 : off) + c * C::kVec;
+      async_copy16_or_zero(ks + r * C::kLd + c * C::kVec, kbase + src, off >= 0);
+      async_copy16_or_zero(vs + r * C::kLd + c * C::kVec, vbase + src, off >= 0);
+      if (c == 0) ok_s[buf * C::kTile + r] = off >= 0;
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    if (s < ntiles) load_tile(s);
+    async_copy_commit();
+  }
+
+  const int wave = threadIdx.x / kWaveSize;
+  const int wm = wave % WM, wn = wave / WM;
+  const T* q_w = q_s + wm * MT::M * C::kLd;
+  T* tmp = scratch + wave * MT::M * MT::K;
+  float o[kND][MT::kC], m[MT::kRowSlots], l[MT::kRowSlots];
+#pragma unroll
+  for (int n = 0; n < kND; ++n)
+#pragma unroll
+    for (int i = 0; i < MT::kC; ++i) o[n][i] = 0.f;
+#pragma unroll
+  for (int r = 0; r < MT::kRowSlots; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    if constexpr (C::kStages == 1) {
+      __syncthreads();  // every wave is done with the previous tile
+      load_tile(tile);
+    } else {
+      async_copy_wait_pending<C::kStages - 2>();
+    }
+    __syncthreads();  // tile is in shared memory; every wave is done with tile - 1's buffer
+    if constexpr (C::kStages > 1) {
+      if (tile + C::kStages - 1 < ntiles) load_tile(tile + C::kStages - 1);
+      async_copy_commit();
+    }
+
+    const int buf = tile % C::kStages;
+    const T* ks = k_s + (buf * C::kTile + wn * C::kSlice) * C::kLd;
+    const T* vs = v_s + (buf * C::kTile + wn * C::kSlice) * C::kLd;
+    const uint8_t* ok = ok_s + buf * C::kTile + wn * C::kSlice;
+
+    typename MT::C s[kNS];  // S = Q K^T, this wave's heads x tokens
+#pragma unroll
+    for (int j = 0; j < kNS; ++j)
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) s[j][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / MT::K; ++kk) {
+      typename MT::A a;
+      MT::load_a(a, q_w + kk * MT::K, C::kLd);
+#pragma unroll
+      for (int j = 0; j < kNS; ++j) {
+        typename MT::B b;
+        MT::load_b_nk(b, ks + j * MT::N * C::kLd + kk * MT::K, C::kLd);
+        MT::mma(s[j], a, b);
+      }
+    }
+
+    float mx[MT::kRowSlots];  // online softmax, log2 domain
+#pragma unroll
+    for (int r = 0; r < MT::kRowSlots; ++r) mx[r] = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kNS; ++j)
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) {
+        s[j][i] = ok[j * MT::N + MT::c_col(i)] ? s[j][i] * p.scale_log2 : -INFINITY;
+        mx[MT::row_slot(i)] = fmaxf(mx[MT::row_slot(i)], s[j][i]);
+      }
+    float alpha[MT::kRowSlots];
+#pragma unroll
+    for (int r = 0; r < MT::kRowSlots; ++r) {
+      const float mn = fmaxf(m[r], group_max<MT::kRowLanes>(mx[r]));
+      alpha[r] = merge_weight(m[r], mn);
+      m[r] = mn;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kNS; ++j)
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) {
+        s[j][i] = merge_weight(s[j][i], m[MT::row_slot(i)]);
+        l[MT::row_slot(i)] += s[j][i];
+      }
+#pragma unroll
+    for (int n = 0; n < kND; ++n)
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) o[n][i] *= alpha[MT::row_slot(i)];
+
+#pragma unroll
+    for (int kk = 0; kk < C::kSlice / MT::K; ++kk) {  // O += P V
+      typename MT::A a;
+      MT::a_from_c(a, &s[kk * MT::K / MT::N], tmp);
+#pragma unroll
+      for (int n = 0; n < kND; ++n) {
+        typename MT::B b;
+        MT::load_b_kn(b, vs + kk * MT::K * C::kLd + n * MT::N, C::kLd);
+        MT::mma(o[n], a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < MT::kRowSlots; ++r) l[r] = group_sum<MT::kRowLanes>(l[r]);
+
+  // Merge the WN states of each head tile.
+  async_copy_wait();
+  __syncthreads();
+  float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
+  float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
+  float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][D]
+#pragma unroll
+  for (int i = 0; i < MT::kC; ++i) {
+    const int row = wn * C::kRows + wm * MT::M + MT::c_row(i);
+    if (MT::c_col(i) == 0) {
+      m_w[row] = m[MT::row_slot(i)];
+      l_w[row] = l[MT::row_slot(i)];
+    }
+#pragma unroll
+    for (int n = 0; n < kND; ++n) a_w[row * D + n * MT::N + MT::c_col(i)] = o[n][i];
+  }
+  __syncthreads();
+  finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, seq, head0, nh, part);
+}
+
+template <typename T, int D, int WM>
+int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
+  typedef Cfg<T, D, WM> C;
+  const unsigned hgroups = (unsigned)((p.group + C::kRows - 1) / C::kRows);
+  static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel raised
+  return launch_decode<T, D>(&decode_kernel<T, D, WM>, raised, p, (unsigned)num_kv_heads * hgroups, num_seqs, C::kThreads,
+                             C::bytes, device, stream, "launch of paged_attention mma::decode_kernel");
+}
+
+}  // namespace mma
+}  // namespace paged_attention
+}  // namespace hk
