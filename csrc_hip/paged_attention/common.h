@@ -98,26 +98,37 @@ __global__ __launch_bounds__(D) void merge_kernel(Params p) {
   if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
 }
 
-// Launch a decode kernel over grid (blocks_x, num_seqs, num_partitions), then the merge if split.
 // Dynamic shared memory above the default 48 KB is checked against the device's limit and opted
-// into, once per kernel and device: `raised` is the kernel's own bit set of devices done (devices
-// >= 64 check at every launch).
+// into, once per kernel and device: `raised` is the kernel's own set of devices done (devices >= 64
+// check every time).
+template <typename Kernel>
+int allow_shared(Kernel kernel, unsigned long long& raised, int smem_bytes, int device) {
+  const unsigned long long bit = device < 64 ? 1ull << device : 0;
+  if (smem_bytes <= 48 * 1024 || (__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit)) return 0;
+  int most = 0;
+  HK_CHECK(hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device));
+  if (smem_bytes > most)
+    return set_invalid("this kernel's shared memory per block exceeds the device's (choose another variant or head "
+                       "size)", __FILE__, __LINE__);
+  HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes));
+  __atomic_fetch_or(&raised, bit, __ATOMIC_RELAXED);
+  return 0;
+}
+
+// How many blocks of `kernel` fit on one SM/CU at once (the planner's slots), into *out.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int smem_bytes, int device, int* out) {
+  HK_TRY(allow_shared(kernel, raised, smem_bytes, device));
+  HK_CHECK(hipOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem_bytes));
+  return 0;
+}
+
+// Launch a decode kernel over grid (blocks_x, num_seqs, num_partitions), then the merge if split.
 template <typename T, int D, typename Kernel>
 int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, unsigned blocks_x, int num_seqs,
                   int threads, int smem_bytes, int device, hipStream_t stream, const char* name /* "launch of ..." */) {
-  if (smem_bytes > 48 * 1024) {
-    const unsigned long long bit = device < 64 ? 1ull << device : 0;
-    if (!(__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit)) {
-      int most = 0;
-      HK_CHECK(hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device));
-      if (smem_bytes > most)
-        return set_invalid("this kernel's shared memory per block exceeds the device's (choose another variant or "
-                           "head size)", __FILE__, __LINE__);
-      HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize,
-                                   smem_bytes));
-      __atomic_fetch_or(&raised, bit, __ATOMIC_RELAXED);
-    }
-  }
+  HK_TRY(allow_shared(kernel, raised, smem_bytes, device));
   const dim3 grid(blocks_x, (unsigned)num_seqs, (unsigned)p.num_partitions);
   hipLaunchKernelGGL(kernel, grid, dim3(threads), smem_bytes, stream, p);
   const hipError_t err = hipGetLastError();

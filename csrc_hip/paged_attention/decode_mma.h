@@ -22,12 +22,15 @@ namespace hk {
 namespace paged_attention {
 namespace mma {
 
-constexpr int kWaves = 4, kThreads = kWaves * kWaveSize;
+// Waves per block: 4, or 8 for 64 heads (4 head tiles) where shared memory allows (not on CDNA:
+// the merge area of 8 waves would not fit 64 KB of LDS). 8 waves halve each wave's share of the
+// 64-head products, which otherwise leave the block waiting on its matrix units.
+template <int WM> constexpr int waves() { return WM == 4 && kAsyncCopy ? 8 : 4; }
 
 template <typename T, int D, int WM>
 struct Cfg {
   typedef MmaTile<T> MT;
-  static constexpr int kWaves = mma::kWaves, kThreads = mma::kThreads;
+  static constexpr int kWaves = waves<WM>(), kThreads = kWaves * kWaveSize;
   static constexpr int WN = kWaves / WM;  // waves sharing a head tile, each on a token slice
   static constexpr int kTile = 64;        // tokens per pipeline stage
   static constexpr int kStages = !kAsyncCopy ? 1 : D <= 128 ? 3 : 2;
@@ -44,12 +47,14 @@ struct Cfg {
   static constexpr int kMerge = WN * kRows * (2 + D) * 4;
   static constexpr int kFlags = kStages * kTile;
   static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kFlags;
+  static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
+  static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
 };
 
 template <typename T, int D, int WM>
-__global__ HK_LAUNCH_BOUNDS(kThreads, 1) void decode_kernel(Params p) {
+__global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Params p) {
   typedef Cfg<T, D, WM> C;
   typedef typename C::MT MT;
   constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
@@ -74,10 +79,18 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, 1) void decode_kernel(Params p) {
   const int head0 = kvh * p.group + hg * C::kRows;
   const int nh = min(C::kRows, p.group - hg * C::kRows);
 
-  const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s;
-  for (int i = threadIdx.x; i < C::kRows * D; i += C::kThreads) {
-    const int h = i / D, d = i % D;
-    q_s[h * C::kLd + d] = h < nh ? q[(int64_t)(head0 + h) * p.q_stride_h + d] : T();
+  // Query rows: 16-byte copies (in the first pipeline group) where aligned, else element by element.
+  const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s + (int64_t)head0 * p.q_stride_h;
+  if (reinterpret_cast<uintptr_t>(q) % 16 == 0 && p.q_stride_h % C::kVec == 0) {
+    for (int i = threadIdx.x; i < C::kRows * C::kChunks; i += C::kThreads) {
+      const int h = i / C::kChunks, c = i % C::kChunks;
+      async_copy16_or_zero(q_s + h * C::kLd + c * C::kVec, q + (h < nh ? h * p.q_stride_h : 0) + c * C::kVec, h < nh);
+    }
+  } else {
+    for (int i = threadIdx.x; i < C::kRows * D; i += C::kThreads) {
+      const int h = i / D, d = i % D;
+      q_s[h * C::kLd + d] = h < nh ? q[h * p.q_stride_h + d] : T();
+    }
   }
 
   const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
@@ -88,17 +101,23 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, 1) void decode_kernel(Params p) {
     const int buf = tile % C::kStages, t0 = start + tile * C::kTile;
     T* ks = k_s + buf * C::kTile * C::kLd;
     T* vs = v_s + buf * C::kTile * C::kLd;
-    for (int i = threadIdx.x; i < C::kTile * C::kChunks; i += C::kThreads) {
-      const int r = i / C::kChunks, c = i % C::kChunks, t = t0 + r;
-      const int64_t off = t < end ? token_offset(p, bt, t) : -1;
-      const int64_t src = (off < 0 ? 0 : off) + c * C::kVec;
-      async_copy16_or_zero(ks + r * C::kLd + c * C::kVec, kbase + src, off >= 0);
-      async_copy16_or_zero(vs + r * C::kLd + c * C::kVec, vbase + src, off >= 0);
-      if (c == 0) ok_s[buf * C::kTile + r] = off >= 0;
+    int64_t off[C::kCopies];  // all block-table reads first: one latency, not kCopies
+#pragma unroll
+    for (int j = 0; j < C::kCopies; ++j) {
+      const int t = t0 + (threadIdx.x + j * C::kThreads) / C::kChunks;
+      off[j] = t < end ? token_offset(p, bt, t) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < C::kCopies; ++j) {
+      const int i = threadIdx.x + j * C::kThreads, r = i / C::kChunks, c = i % C::kChunks;
+      const int64_t src = (off[j] < 0 ? 0 : off[j]) + c * C::kVec;
+      async_copy16_or_zero(ks + r * C::kLd + c * C::kVec, kbase + src, off[j] >= 0);
+      async_copy16_or_zero(vs + r * C::kLd + c * C::kVec, vbase + src, off[j] >= 0);
+      if (c == 0) ok_s[buf * C::kTile + r] = off[j] >= 0;
     }
   };
 #pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) {
+  for (int s = 0; s < C::kStages - 1; ++s) {  // the query rows travel with the first group
     if (s < ntiles) load_tile(s);
     async_copy_commit();
   }
@@ -218,13 +237,24 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, 1) void decode_kernel(Params p) {
   finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, seq, head0, nh, part);
 }
 
+template <typename T, int D, int WM> unsigned long long& raised() {  // devices with the shared limit raised
+  static unsigned long long r = 0;
+  return r;
+}
+
 template <typename T, int D, int WM>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
   typedef Cfg<T, D, WM> C;
   const unsigned hgroups = (unsigned)((p.group + C::kRows - 1) / C::kRows);
-  static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel raised
-  return launch_decode<T, D>(&decode_kernel<T, D, WM>, raised, p, (unsigned)num_kv_heads * hgroups, num_seqs, C::kThreads,
-                             C::bytes, device, stream, "launch of paged_attention mma::decode_kernel");
+  return launch_decode<T, D>(&decode_kernel<T, D, WM>, raised<T, D, WM>(), p, (unsigned)num_kv_heads * hgroups,
+                             num_seqs, C::kThreads, C::bytes, device, stream,
+                             "launch of paged_attention mma::decode_kernel");
+}
+
+template <typename T, int D, int WM>
+int resident(int device, int* out) {
+  typedef Cfg<T, D, WM> C;
+  return resident_blocks(&decode_kernel<T, D, WM>, raised<T, D, WM>(), C::kThreads, C::bytes, device, out);
 }
 
 }  // namespace mma

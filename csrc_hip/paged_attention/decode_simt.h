@@ -176,12 +176,23 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, min_blocks<D>()) void decode_kernel(Params
   finish<T, D, kWaves, HPB, kThreads>(p, m_w, l_w, a_w, seq, head0, nh, part);
 }
 
+template <typename T, int D, int HPB> unsigned long long& raised() {  // devices with the shared limit raised
+  static unsigned long long r = 0;
+  return r;
+}
+
 template <typename T, int D, int HPB>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
   const unsigned hgroups = (unsigned)((p.group + HPB - 1) / HPB);
-  static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel raised
-  return launch_decode<T, D>(&decode_kernel<T, D, HPB>, raised, p, (unsigned)num_kv_heads * hgroups, num_seqs, kThreads,
-                             Smem<T, D, HPB>::bytes, device, stream, "launch of paged_attention simt::decode_kernel");
+  return launch_decode<T, D>(&decode_kernel<T, D, HPB>, raised<T, D, HPB>(), p, (unsigned)num_kv_heads * hgroups,
+                             num_seqs, kThreads, Smem<T, D, HPB>::bytes, device, stream,
+                             "launch of paged_attention simt::decode_kernel");
+}
+
+template <typename T, int D, int HPB>
+int resident(int device, int* out) {
+  return resident_blocks(&decode_kernel<T, D, HPB>, raised<T, D, HPB>(), kThreads, Smem<T, D, HPB>::bytes, device,
+                         out);
 }
 
 }  // namespace simt

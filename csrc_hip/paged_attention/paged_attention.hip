@@ -15,6 +15,49 @@
 #error "build with -DHK_DTYPE=<hk::DType> and -DHK_HEAD_SIZE=<64|128|256>"
 #endif
 
+namespace {
+typedef typename hk::elem_of<HK_DTYPE>::type T;
+constexpr int D = HK_HEAD_SIZE;
+using hk::paged_attention::Params;
+
+template <int Kernel, int Heads> struct Pick;  // one kernel instantiation: its launch and occupancy
+template <int H> struct Pick<0, H> {
+  static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
+    return hk::paged_attention::simt::launch<T, D, H>(p, s, kv, dev, st);
+  }
+  static int resident(int dev, int* out) { return hk::paged_attention::simt::resident<T, D, H>(dev, out); }
+};
+template <int H> struct Pick<1, H> {
+  static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
+    return hk::paged_attention::mma::launch<T, D, H / 16>(p, s, kv, dev, st);
+  }
+  static int resident(int dev, int* out) { return hk::paged_attention::mma::resident<T, D, H / 16>(dev, out); }
+};
+
+// Calls fn(Pick<kernel, heads_per_block>()) for the instantiations that exist.
+template <typename Fn>
+int dispatch(int kernel, int heads_per_block, Fn fn) {
+  if (kernel == 0) {
+    switch (heads_per_block) {
+      case 1: return fn(Pick<0, 1>());
+      case 2: return fn(Pick<0, 2>());
+      case 4: return fn(Pick<0, 4>());
+      case 8: return fn(Pick<0, 8>());
+    }
+    return hk::set_invalid("kernel 0 takes heads_per_block 1, 2, 4 or 8", __FILE__, __LINE__);
+  }
+  if (kernel == 1) {
+    switch (heads_per_block) {
+      case 16: return fn(Pick<1, 16>());
+      case 32: return fn(Pick<1, 32>());
+      case 64: return fn(Pick<1, 64>());
+    }
+    return hk::set_invalid("kernel 1 takes heads_per_block 16, 32 or 64", __FILE__, __LINE__);
+  }
+  return hk::set_invalid("kernel is 0 (CUDA cores) or 1 (matrix cores)", __FILE__, __LINE__);
+}
+}  // namespace
+
 // Shapes and strides in elements. kernel 0: heads_per_block 1, 2, 4 or 8; kernel 1: 16, 32 or 64
 // (query heads per block, as 16-row tiles). num_partitions == 1: single pass (part_o/part_ml unused);
 // else partition_size tokens per partition, workspaces as in Params. Returns 0 or an error code
@@ -26,9 +69,6 @@ HK_EXPORT int hk_paged_attention_decode(
     int num_seqs, int num_q_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,
     int num_blocks, int num_partitions, int partition_size, int kernel, int heads_per_block, float scale,
     int device, void* stream) {
-  using namespace hk::paged_attention;
-  typedef typename hk::elem_of<HK_DTYPE>::type T;
-  constexpr int D = HK_HEAD_SIZE;
   HK_REQUIRE(num_seqs >= 1 && num_seqs <= 65535);
   HK_REQUIRE(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0);
   HK_REQUIRE(block_size_log2 >= 0 && block_size_log2 <= 10);
@@ -41,22 +81,13 @@ HK_EXPORT int hk_paged_attention_decode(
                  num_q_heads / num_kv_heads, block_size_log2, num_partitions, partition_size,
                  max_blocks_per_seq, num_blocks, scale * hk::kLog2e};
   hipStream_t s = static_cast<hipStream_t>(stream);
-  if (kernel == 0) {
-    switch (heads_per_block) {
-      case 1: return simt::launch<T, D, 1>(p, num_seqs, num_kv_heads, device, s);
-      case 2: return simt::launch<T, D, 2>(p, num_seqs, num_kv_heads, device, s);
-      case 4: return simt::launch<T, D, 4>(p, num_seqs, num_kv_heads, device, s);
-      case 8: return simt::launch<T, D, 8>(p, num_seqs, num_kv_heads, device, s);
-    }
-    return hk::set_invalid("kernel 0 takes heads_per_block 1, 2, 4 or 8", __FILE__, __LINE__);
-  }
-  if (kernel == 1) {
-    switch (heads_per_block) {
-      case 16: return mma::launch<T, D, 1>(p, num_seqs, num_kv_heads, device, s);
-      case 32: return mma::launch<T, D, 2>(p, num_seqs, num_kv_heads, device, s);
-      case 64: return mma::launch<T, D, 4>(p, num_seqs, num_kv_heads, device, s);
-    }
-    return hk::set_invalid("kernel 1 takes heads_per_block 16, 32 or 64", __FILE__, __LINE__);
-  }
-  return hk::set_invalid("kernel is 0 (CUDA cores) or 1 (matrix cores)", __FILE__, __LINE__);
+  return dispatch(kernel, heads_per_block,
+                  [&](auto pick) { return decltype(pick)::launch(p, num_seqs, num_kv_heads, device, s); });
+}
+
+// Blocks of a kernel (as chosen by kernel / heads_per_block above) resident per SM/CU at once, into
+// *blocks: the slots the Python planner fills. Returns 0 or an error code.
+HK_EXPORT int hk_paged_attention_resident_blocks(int kernel, int heads_per_block, int device, int* blocks) {
+  HK_TRY(hk::use_device(device));
+  return dispatch(kernel, heads_per_block, [&](auto pick) { return decltype(pick)::resident(device, blocks); });
 }

@@ -7,6 +7,7 @@ from pathlib import Path
 from . import paged_attention, topk_softmax
 
 BENCHES = {"paged_attention": paged_attention.main, "topk_softmax": topk_softmax.main}
+EXTRA = {"paged_attention_sweep": paged_attention.sweep}  # not part of "all"
 
 
 def main(argv=None) -> int:
@@ -16,7 +17,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer timing iterations (smoke run)")
     args = ap.parse_args(argv)
     names = sorted(BENCHES) if "all" in args.which else args.which
-    unknown = [n for n in names if n not in BENCHES]
+    unknown = [n for n in names if n not in BENCHES and n not in EXTRA]
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)} or all")
     import torch
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
         return 2
     failures = 0
     for n in names:
-        failures += BENCHES[n](Path(args.out), quick=args.quick)
+        failures += {**BENCHES, **EXTRA}[n](Path(args.out), quick=args.quick)
     return 1 if failures else 0
 
 

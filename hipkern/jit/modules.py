@@ -55,6 +55,8 @@ MODULE_FAMILIES = {
             ("hk_paged_attention_decode", "i32",
              ("ptr", "i64", "i64", "ptr", "ptr", "i64", "i64", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr",
               "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+            # kernel, heads_per_block, device, int* blocks (out): resident blocks per SM/CU
+            ("hk_paged_attention_resident_blocks", "i32", ("i32", "i32", "i32", "ptr")),
         ),
     },
     "grouped_topk": {

@@ -8,6 +8,7 @@ the grid. Every variant built so far accepts every input the op accepts.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
@@ -63,18 +64,30 @@ class Shape:
     sm_count: int
     tile: int  # tokens a block takes per step
     heads_per_block: int
+    resident: int = 1  # blocks of the kernel one SM holds at once
 
     @property
     def blocks(self) -> int:  # thread blocks of one partition
         return self.num_seqs * self.num_kv_heads * math.ceil(self.group / self.heads_per_block)
 
 
-def make_shape(variant: Variant, num_seqs, num_q_heads, num_kv_heads, max_tokens, sm_count, wave_size) -> Shape:
+def make_shape(variant: Variant, num_seqs, num_q_heads, num_kv_heads, max_tokens, sm_count, wave_size,
+               resident=1) -> Shape:
     """The launch geometry `variant`'s plan sees (for the op, the tuner and the benchmark)."""
     kernel = KERNELS[variant.kernel]
     group = num_q_heads // num_kv_heads
     return Shape(num_seqs, num_kv_heads, group, max_tokens, sm_count, kernel.tile(wave_size),
-                 kernel.heads_per_block(group))
+                 kernel.heads_per_block(group), resident)
+
+
+@functools.lru_cache(maxsize=None)
+def resident_blocks(mod, kernel: str, heads_per_block: int, device: int) -> int:
+    """Blocks of one kernel instantiation an SM holds at once on `device` (the module asks the runtime)."""
+    n = ctypes.c_int(0)
+    rc = mod.hk_paged_attention_resident_blocks(KERNELS[kernel].code, heads_per_block, device, ctypes.addressof(n))
+    if rc:
+        mod.check(rc, "paged_attention_decode (occupancy)")
+    return max(1, n.value)
 
 
 def _split(shape: Shape, partition_size: int) -> Plan:
@@ -93,6 +106,24 @@ def _plan_hybrid(shape: Shape, partition_size: int = 512, blocks_per_sm: int = 4
     return _split(shape, math.ceil(shape.max_tokens / want / shape.tile) * shape.tile)
 
 
+def _plan_balanced(shape: Shape, partition_size: int = 0, block_cost: int = 64, merge_cost: int = 192) -> Plan:
+    """v16: partitions of `partition_size` tokens if given; else the count that minimises a cost in
+    token-steps: waves of blocks over the SMs' slots (sm_count x resident) x (tokens per partition +
+    `block_cost`), plus `merge_cost` when split (the merge launch). One pass when nothing is gained."""
+    if partition_size:
+        return _split(shape, partition_size)
+    tiles = math.ceil(shape.max_tokens / shape.tile)
+    slots = shape.sm_count * shape.resident
+    most = min(tiles, MAX_PARTITIONS, max(1, math.ceil(2 * slots / shape.blocks)))
+    best = None
+    for parts in range(1, most + 1):
+        size = math.ceil(tiles / parts) * shape.tile
+        cost = math.ceil(shape.blocks * parts / slots) * (size + block_cost) + (merge_cost if parts > 1 else 0)
+        if best is None or cost < best[0]:
+            best = (cost, size)
+    return _split(shape, best[1])
+
+
 VARIANTS = {
     "v3": Variant("v3", "hybrid split-K: flash-decoding partitions of <= 512 tokens, smaller for small "
                   "batches (~4 blocks per SM), merged by LSE; a single pass when one covers the context",
@@ -100,9 +131,8 @@ VARIANTS = {
     "v9": Variant("v9", "multi-warp GQA block over fixed partitions, 512 tokens by default (always split-K)",
                   lambda shape, partition_size=512: _split(shape, partition_size)),
     "v16": Variant("v16", "matrix cores: the whole GQA group (16-row tiles) against K/V tiles of 64 tokens "
-                   "pipelined through shared memory; v3's hybrid split with partitions <= 1024 tokens and "
-                   "~2 blocks per SM", lambda shape, partition_size=1024: _plan_hybrid(shape, partition_size, 2),
-                   kernel="mma"),
+                   "pipelined through shared memory; partitions from a cost model of the SMs' slots "
+                   "(_plan_balanced)", _plan_balanced, kernel="mma"),
 }
 
 # Tuning-database schema (hipkern/tuning_db.py): the batch and context buckets are powers of two;
@@ -218,9 +248,10 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
     if var.kernel == "mma" and head_size == 256 and mod.wave_size() == 64:
         raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
                          f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
-    shape = make_shape(var, num_seqs, num_q_heads, hkv, block_tables.shape[1] * bs, _sm_count(dev),
-                       mod.wave_size())
-    plan = var.plan(shape, **params)
+    group = num_q_heads // hkv
+    shape = make_shape(var, num_seqs, num_q_heads, hkv, block_tables.shape[1] * bs, _sm_count(dev), mod.wave_size(),
+                       resident_blocks(mod, var.kernel, kernel.heads_per_block(group), dev))
+    plan = _plan(variant, shape, tuple(sorted(params.items())))
     part_o = part_ml = None
     if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
         part_o = torch.empty((num_seqs, num_q_heads, plan.num_partitions, head_size), dtype=torch.float32,
@@ -246,22 +277,34 @@ def _fake(query, key_cache, value_cache, block_tables, context_lens, scale, kv_l
     return None
 
 
-HEURISTIC_VARIANT = "v3"
+@functools.lru_cache(maxsize=4096)
+def _plan(variant: str, shape: Shape, params: tuple) -> Plan:
+    return VARIANTS[variant].plan(shape, **dict(params))
+
+
+# The default without a tuning-database row: v16 (fastest or within a few us of the best on every
+# benchmark shape on the H100/H200, NOTES.md), except where it cannot run: head size 256 on CDNA.
+HEURISTIC_VARIANT = "v16"
+
+
+def heuristic_variant(head_size: int, arch: str) -> str:
+    return "v3" if head_size == 256 and arch.startswith("gfx") else HEURISTIC_VARIANT
 
 
 def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
     """(variant, params) for variant=None: the tuning database's row for this shape (exact, else
-    nearest), else the heuristic default v3 with its default parameters."""
+    nearest), else the heuristic default (heuristic_variant) with its default parameters."""
     _, bs, hkv, d, *_ = _cache_dims(kv_layout, key_cache)
     return _lookup(query.get_device(), query, d, bs, hkv, kv_layout, block_tables.shape[1] * bs)
 
 
 def _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens) -> tuple:
+    arch = jit.current_arch(dev)
     choice = tuning_db.lookup(
-        "paged_attention", jit.current_arch(dev), _sm_count(dev), dtype=DTYPE_NAMES[query.dtype],
+        "paged_attention", arch, _sm_count(dev), dtype=DTYPE_NAMES[query.dtype],
         head_size=head_size, block_size=block_size, num_q_heads=query.shape[1], num_kv_heads=num_kv_heads,
         kv_layout=kv_layout, batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(max_tokens))
-    return (choice.variant, choice.params) if choice else (HEURISTIC_VARIANT, {})
+    return (choice.variant, choice.params) if choice else (heuristic_variant(head_size, arch), {})
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,

@@ -56,6 +56,7 @@ typedef cudaStream_t hipStream_t;
 #define hipSetDevice cudaSetDevice
 #define hipFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
 #define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define hipOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define hipDeviceGetAttribute cudaDeviceGetAttribute
 #define hipDeviceAttributeMultiprocessorCount cudaDevAttrMultiProcessorCount
 #define HIP_KERNEL_NAME(...) __VA_ARGS__
