@@ -80,6 +80,13 @@ def make_shape(variant: Variant, num_seqs, num_q_heads, num_kv_heads, max_tokens
                  kernel.heads_per_block(group), resident)
 
 
+def resident_for(dtype: str, head_size: int, variant: str, group: int, device: int) -> int:
+    """resident_blocks of `variant`'s kernel for a shape (builds/loads its module)."""
+    var = VARIANTS[variant]
+    mod = module_for("paged_attention", device, dtype=dtype, head_size=head_size)
+    return resident_blocks(mod, var.kernel, KERNELS[var.kernel].heads_per_block(group), device)
+
+
 @functools.lru_cache(maxsize=None)
 def resident_blocks(mod, kernel: str, heads_per_block: int, device: int) -> int:
     """Blocks of one kernel instantiation an SM holds at once on `device` (the module asks the runtime)."""

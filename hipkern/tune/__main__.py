@@ -1,0 +1,130 @@
+"""Command line of the tuner (see hipkern/tune/__init__.py and tuning/README.md)."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from . import core, runner
+from .report import report
+
+
+def parse_gpus(text):
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--gpus must be comma-separated GPU indices such as 0,1 (a GPU may repeat); got {text!r}")
+    return [int(p) for p in parts]
+
+
+def parse_where(items) -> dict:
+    where = {}
+    for item in items or ():
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip() or not v.strip():
+            raise ValueError(f"--where must be key=value, e.g. dtype=bfloat16; got {item!r}")
+        where[k.strip()] = v.strip()
+    return where
+
+
+def _tune_parser():
+    p = argparse.ArgumentParser(prog="python -m hipkern.tune", description="Tune an op's variants per shape; "
+                                "'python -m hipkern.tune report OP' prints the result.")
+    p.add_argument("op", help="an op with an adapter (paged_attention) or module:attribute")
+    p.add_argument("--shapes", help="shape list CSV (default tuning/shapes/<op>.csv; an untuned log works too)")
+    p.add_argument("--shape", action="append", help="a shape as key=value,...; repeatable (then no default list)")
+    p.add_argument("--where", action="append", help="only shapes with key=value; repeatable")
+    p.add_argument("--out", help="database CSV to merge into (default tuning/results/<arch>/<op>.csv)")
+    p.add_argument("--gpus", help="comma-separated GPU indices: one worker process each")
+    p.add_argument("--skip-done", action="store_true", help="skip candidates already measured for a shape")
+    p.add_argument("--time-limit", type=float, help="seconds after which no new shape starts")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate only")
+    p.add_argument("--arch", help="with --dry-run: plan for this arch instead of the GPU's")
+    p.add_argument("--cu-count", type=int, help="with --dry-run: plan for this many CUs/SMs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _worker_parser():
+    p = argparse.ArgumentParser(prog="python -m hipkern.tune _worker")
+    p.add_argument("op")
+    p.add_argument("--jobs", required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--device", type=int, required=True)
+    p.add_argument("--deadline-s", type=float)
+    return p
+
+
+def _report_parser():
+    p = argparse.ArgumentParser(prog="python -m hipkern.tune report")
+    p.add_argument("op")
+    p.add_argument("--out", help="database CSV (default tuning/results/<arch>/<op>.csv)")
+    p.add_argument("--arch", help="arch of the default file (default: the GPU's)")
+    return p
+
+
+def _default_out(op: str, arch: str) -> Path:
+    return core.checkout_dir() / "results" / arch / f"{op}.csv"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_worker"]:
+        a = _worker_parser().parse_args(argv[1:])
+        return runner.worker_main(a.op, a.jobs, a.log, a.device, a.deadline_s)
+    if argv[:1] == ["report"]:
+        a = _report_parser().parse_args(argv[1:])
+        adapter = core.load_adapter(a.op)
+        if a.out is None and a.arch is None and not _has_gpu():
+            raise ValueError("report: no GPU visible: pass --out or --arch")
+        out = Path(a.out) if a.out else _default_out(adapter.op, a.arch or adapter.device_info(0)["arch"])
+        print(report(adapter, out))
+        return 0
+    a = _tune_parser().parse_args(argv)
+    gpus = parse_gpus(a.gpus)
+    if a.time_limit is not None and not a.time_limit > 0:
+        raise ValueError(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
+    if (a.arch or a.cu_count) and not a.dry_run:
+        raise ValueError("--arch/--cu-count only apply to --dry-run (a run asks its GPU)")
+    if a.dry_run and not _has_gpu() and not (a.arch and a.cu_count):
+        raise ValueError("--dry-run without a GPU needs --arch and --cu-count")
+    if gpus and _has_gpu():
+        import torch
+
+        bad = [g for g in gpus if g >= torch.cuda.device_count()]
+        if bad:
+            raise ValueError(f"--gpus: {bad} not among the {torch.cuda.device_count()} GPUs visible")
+    adapter = core.load_adapter(a.op)
+    shapes = core.read_shapes(adapter, a.shapes, a.shape or (), parse_where(a.where))
+    info = adapter.info_for(a.arch, a.cu_count) if a.arch else runner.device_info(adapter, gpus)
+    out = Path(a.out) if a.out else _default_out(adapter.op, info["arch"])
+    saved = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's SIGTERM saves finished rows like Ctrl-C
+    try:
+        summary = runner.tune(adapter, shapes, out, spec=a.op, gpus=gpus, skip_done=a.skip_done,
+                              time_limit=a.time_limit, progress=not a.no_progress, dry_run=a.dry_run, info=info)
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    # 1 when a shape could not be tuned; a crash whose shapes the retry finished was reported above
+    return 1 if summary.failed or (summary.left and not summary.stopped) else 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"python -m hipkern.tune: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,334 @@
+"""The tuner's op-independent core: candidates, measuring, result rows, merging and the run loop.
+
+An op adapter (``hipkern/tune/<op>.py``, or any object named as ``module:attribute``) provides:
+
+* ``op``, ``schema``: the op's name and its ``tuning_db.Schema`` (the columns of its rows);
+* ``parse_shape(raw) -> dict``: a shape (the schema's exact and bucket keys) from a CSV or CLI row,
+  ValueError naming the column when a value is bad; ``describe(shape)``: a short label;
+* ``device_info(device) -> dict`` (JSON-able: at least ``arch`` and ``cu_count``) and
+  ``info_for(arch, cu_count)``, the same facts without a GPU (dry runs, reports);
+* ``heuristic(shape) -> Candidate``: what the op runs untuned;
+* ``candidates(shape, info) -> Pruned``: every applicable candidate, the heuristic first, candidates
+  with the same launch as an earlier one (``same``) and dominated ones (``dominated``) removed;
+* ``estimate_s(shape, candidates, info)``: GPU seconds to tune the shape; ``order(shape)``: sort key
+  of a worker's shapes (to reuse inputs);
+* ``prepare(shape, info, device) -> bench``: inputs and reference of one shape: ``nbytes``, ``tol``
+  (rtol/atol), ``use(candidate)`` (a context in which the op runs that candidate), ``new_output()``,
+  ``call(out)``, ``checked(out) -> (part of out, its reference)``, ``time_us()`` (perftest_us).
+
+Files: the database file (``tuning/results/<arch>/<op>.csv``, the schema's columns, the best row
+per key) and next to it ``<op>.candidates.csv``: the latest measurement of every candidate of every
+key, with ``status`` (ok / rejected) and ``note``. The database takes, per key, the lowest ``us``
+among rows not rejected, ties to the newer date, then to the later row (this run's); it only takes
+candidate rows of shapes whose candidates have all been measured.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import importlib
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from ..testing import checkAllclose, poison, run_perftest
+
+ADAPTERS = {"paged_attention": "hipkern.tune.paged_attention:ADAPTER"}
+STATUS_COLUMNS = ("status", "note")
+CHECKPOINT_S = 30.0  # save finished rows at least this often
+_now = time.monotonic  # tests replace it
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    variant: str
+    params: tuple = ()  # sorted (name, int) pairs
+
+    @classmethod
+    def of(cls, variant: str, **params) -> "Candidate":
+        return cls(variant, tuple(sorted((k, int(v)) for k, v in params.items())))
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def name(self) -> str:
+        return self.variant + ("[" + ",".join(f"{k}={v}" for k, v in self.params) + "]" if self.params else "")
+
+
+@dataclasses.dataclass
+class Pruned:
+    kept: list  # Candidates to time, in enumeration order
+    same: dict = dataclasses.field(default_factory=dict)  # name -> name of the first with the same launch
+    dominated: dict = dataclasses.field(default_factory=dict)  # name -> name of a candidate that dominates it
+
+
+def dedupe(items) -> tuple:
+    """items: (Candidate, launch key) in enumeration order -> (kept, {name: first name with that launch})."""
+    first, kept, same = {}, [], {}
+    for cand, launch in items:
+        if launch in first:
+            if cand.name != first[launch].name:
+                same[cand.name] = first[launch].name
+            continue
+        first[launch] = cand
+        kept.append((cand, launch))
+    return kept, same
+
+
+def load_adapter(spec: str):
+    """The adapter of a built-in op ('paged_attention') or of 'module:attribute'."""
+    path = ADAPTERS.get(spec, spec)
+    if ":" not in path:
+        raise ValueError(f"op must be one of {sorted(ADAPTERS)} or 'module:attribute', got {spec!r}")
+    module, _, attr = path.partition(":")
+    obj = getattr(importlib.import_module(module), attr)
+    return obj() if isinstance(obj, type) else obj
+
+
+def checkout_dir() -> Path:
+    """tuning/ of the hipkern checkout this package runs from (the tuner writes there by default)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "tuning").is_dir() or not (root / "hipkern").is_dir():
+        raise ValueError(f"{root} is not a hipkern checkout: pass --shapes and --out explicitly")
+    return root / "tuning"
+
+
+# ---- shapes ---------------------------------------------------------------------------------------
+
+def parse_shapes(adapter, raws, where: dict | None = None) -> list:
+    """Shapes from (label, raw row) pairs: schema keys present, buckets powers of two, deduplicated.
+    Rows of an untuned-log file (an ``op`` column) count only when they name this op."""
+    schema, shapes, seen = adapter.schema, [], set()
+    for label, raw in raws:
+        if raw.get("op") not in (None, "", adapter.op):
+            continue
+        missing = [k for k in schema.exact_keys + schema.bucket_keys if raw.get(k) in (None, "")]
+        try:
+            if missing:
+                raise ValueError(f"missing {missing}")
+            for k in schema.bucket_keys:
+                v = str(raw[k]).strip()
+                if not v.isdigit() or int(v) < 1 or int(v) & (int(v) - 1):
+                    raise ValueError(f"{k}={raw[k]!r} must be a power of two (a tuning bucket)")
+            shape = adapter.parse_shape(raw)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+        if where and any(str(shape.get(k)) != v for k, v in where.items()):
+            continue
+        key = shape_key(schema, shape)
+        if key not in seen:
+            seen.add(key)
+            shapes.append(shape)
+    return shapes
+
+
+def read_shapes(adapter, path=None, specs=(), where=None) -> list:
+    """--shapes CSV (default tuning/shapes/<op>.csv unless --shape is given) plus --shape k=v,... rows."""
+    raws = []
+    if path is not None or not specs:
+        path = Path(path) if path is not None else checkout_dir() / "shapes" / f"{adapter.op}.csv"
+        if not path.is_file():
+            raise ValueError(f"--shapes: {path} does not exist")
+        raws += [(f"{path} line {n}", r) for n, r in enumerate(read_csv(path), start=2)]
+    for s in specs:
+        pairs = [p.split("=", 1) for p in s.split(",") if p.strip()]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"--shape must be key=value,key=value,...; got {s!r}")
+        raws.append((f"--shape {s!r}", {k.strip(): v.strip() for k, v in pairs}))
+    known = set(adapter.schema.exact_keys + adapter.schema.bucket_keys)
+    if where and not set(where) <= known:
+        raise ValueError(f"--where keys must be among {sorted(known)}, got {sorted(set(where) - known)}")
+    shapes = parse_shapes(adapter, raws, where)
+    if not shapes:
+        raise ValueError(f"no {adapter.op} shapes selected (--shapes {path}, --shape {list(specs)}, --where {where})")
+    return shapes
+
+
+# ---- rows and files -------------------------------------------------------------------------------
+
+def shape_key(schema, shape) -> tuple:
+    return tuple(str(shape[k]) for k in schema.exact_keys) + tuple(int(shape[k]) for k in schema.bucket_keys)
+
+
+def row_key(schema, row) -> tuple:
+    return (str(row["arch"]), int(row["cu_count"])) + shape_key(schema, row)
+
+
+def candidate_of(schema, row) -> Candidate:
+    return Candidate(row["variant"], tuple((k, int(row[k])) for k in sorted(schema.param_keys)
+                                           if str(row.get(k, "")) != ""))
+
+
+def stamp() -> dict:
+    """Date and commit written into every row of a run."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        commit = r.stdout.strip() if r.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    if not commit:
+        print(f"hipkern.tune: {root} is not a git checkout: rows get an empty commit", flush=True)
+    return {"date": datetime.date.today().isoformat(), "commit": commit}
+
+
+def make_row(schema, info, shape, cand, status, us, nbytes, err, note, run_stamp) -> dict:
+    extra = set(cand.kwargs) - set(schema.param_keys)
+    if extra:
+        raise ValueError(f"candidate {cand.name}: parameters {sorted(extra)} are not columns of {schema.op}")
+    row = {"arch": info["arch"], "cu_count": info["cu_count"], "variant": cand.variant,
+           "us": "" if us is None else f"{us:.3f}", "tbps": "" if us is None else f"{nbytes / us / 1e6:.4f}",
+           "err": "" if err is None else f"{err:.3g}", **run_stamp}
+    row.update({k: shape[k] for k in schema.exact_keys + schema.bucket_keys})
+    row.update({k: cand.kwargs.get(k, "") for k in schema.param_keys})
+    row.update(status=status, note=" ".join(str(note).split())[:300])
+    return row
+
+
+def read_csv(path) -> list:
+    if not Path(path).is_file():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def write_csv(path, rows, columns) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def candidates_path(out) -> Path:
+    out = Path(out)
+    return out.with_name(out.stem + ".candidates.csv")
+
+
+def _load(schema, path) -> list:
+    rows = read_csv(path)
+    for n, r in enumerate(rows, start=2):
+        try:
+            row_key(schema, r), candidate_of(schema, r)
+            if r.get("status", "ok") in ("ok", "", None):
+                float(r["us"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}, line {n}: not a {schema.op} tuning row ({type(e).__name__}: {e})") from None
+    return rows
+
+
+def merge_best(schema, rows) -> list:
+    """The best row per key: lowest us among rows not rejected whose variant the op still has; ties go
+    to the newer date, then to the later row. Sorted by key."""
+    best = {}
+    for r in rows:
+        if r.get("status", "ok") not in ("ok", "", None) or r["variant"] not in schema.variants:
+            continue
+        k, us = row_key(schema, r), float(r["us"])
+        cur = best.get(k)
+        if cur is None or us < float(cur["us"]) or (us == float(cur["us"]) and r.get("date", "") >= cur.get("date", "")):
+            best[k] = r
+    return [best[k] for k in sorted(best)]
+
+
+def save(schema, out, new_rows, complete_keys) -> int:
+    """Merge `new_rows` into the candidates file (latest row per key and candidate) and the rows of
+    `complete_keys` into the database file; returns the database's row count."""
+    cpath = candidates_path(out)
+    latest = {}
+    for r in _load(schema, cpath) + list(new_rows):
+        latest[(row_key(schema, r), candidate_of(schema, r).name)] = r
+    rows = [latest[k] for k in sorted(latest)]
+    write_csv(cpath, rows, schema.columns + STATUS_COLUMNS)
+    db = merge_best(schema, _load(schema, out) + [r for r in rows if row_key(schema, r) in complete_keys])
+    write_csv(out, db, schema.columns)
+    return len(db)
+
+
+# ---- measuring --------------------------------------------------------------------------------------
+
+class DeviceLost(RuntimeError):
+    """A candidate left the GPU unusable (a fault): the process must end; its rows so far are kept."""
+
+
+def perftest_us(fn, *args, iters: int, warmup: int, **kwargs) -> float:
+    """Median device microseconds of fn(*args) by hipkern.testing.run_perftest (events, warm-up,
+    rotated inputs or an L2 flush before each call)."""
+    return run_perftest(fn, *args, num_iters=iters, num_warmup=warmup, **kwargs)[1]
+
+
+def measure(bench, cand) -> tuple:
+    """(status, us, err, note, fatal): run `cand` once into a NaN-poisoned output, reject it on any
+    non-finite element or a checkAllclose mismatch against the reference, else time it."""
+    try:
+        with bench.use(cand):
+            out = poison(bench.new_output())
+            bench.call(out)
+            bad = int((~torch.isfinite(out)).sum())
+            got, ref = bench.checked(out)
+            err = checkAllclose(got, ref, printLog=False, **bench.tol)
+            if bad:
+                return "rejected", None, 1.0, f"{bad} of {out.numel()} output elements non-finite (NaN-poisoned output)", False
+            if err > 0:
+                checkAllclose(got, ref, msg=f"{cand.name} rejected: ", **bench.tol)
+                return "rejected", None, err, f"checkAllclose mismatch on {err:.2%} of the checked elements", False
+            us = float(bench.time_us())
+        if not (math.isfinite(us) and us > 0):
+            return "rejected", None, err, f"timing gave {us} us", False
+        return "ok", us, err, "", False
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the candidate fails: recorded as rejected, never chosen
+        return "rejected", None, None, f"{type(e).__name__}: {e}", not _device_usable()
+
+
+def _device_usable() -> bool:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return True
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # a sticky fault: every later launch on this context would fail too
+        return False
+
+
+def run_jobs(adapter, jobs, info, device, run_stamp, emit, deadline=None) -> None:
+    """Tune `jobs` ({i, shape, cands}) in order on `device`, reporting through emit(event): shape, begin,
+    row, done, failed (the shape could not be prepared) and stop (the deadline passed)."""
+    schema = adapter.schema
+    for job in jobs:
+        if deadline is not None and _now() >= deadline:
+            emit({"ev": "stop", "reason": "time limit"})
+            return
+        i, shape, t0 = job["i"], job["shape"], _now()
+        emit({"ev": "shape", "i": i})
+        try:
+            bench = adapter.prepare(shape, info, device)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            emit({"ev": "failed", "i": i, "note": f"preparing inputs failed: {type(e).__name__}: {e}"})
+            if not _device_usable():
+                raise DeviceLost(f"the GPU is unusable after preparing {adapter.describe(shape)}") from e
+            continue
+        for variant, params in job["cands"]:
+            cand = Candidate(variant, tuple(tuple(p) for p in params))
+            emit({"ev": "begin", "i": i, "cand": cand.name})
+            status, us, err, note, fatal = measure(bench, cand)
+            emit({"ev": "row", "i": i, "row": make_row(schema, info, shape, cand, status, us, bench.nbytes, err,
+                                                       note, run_stamp)})
+            if fatal:
+                raise DeviceLost(f"the GPU is unusable after {cand.name} on {adapter.describe(shape)}: {note}")
+        del bench
+        emit({"ev": "done", "i": i, "s": _now() - t0})

@@ -1,0 +1,60 @@
+"""``python -m hipkern.tune report <op>``: per tuned shape, the chosen candidate, its time, the
+heuristic default's time and the gain; then geometric means over the shapes, against the default and
+against the best single fixed variant (every variant with its default parameters)."""
+from __future__ import annotations
+
+import math
+
+from .core import _load, candidate_of, candidates_path, row_key
+
+
+def _geomean(xs) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def report_rows(adapter, out) -> list:
+    """One dict per database row: shape, chosen, us, tbps, default, default_us, gain, <variant>_us."""
+    schema = adapter.schema
+    db = _load(schema, out)
+    if not db:
+        raise ValueError(f"report: {out} has no tuned rows (run python -m hipkern.tune {adapter.op} first)")
+    ok = {(row_key(schema, r), candidate_of(schema, r).name): float(r["us"])
+          for r in _load(schema, candidates_path(out)) if r.get("status") == "ok"}
+    rows = []
+    for r in db:
+        key, shape = row_key(schema, r), adapter.parse_shape(r)
+        same = adapter.candidates(shape, adapter.info_for(r["arch"], int(r["cu_count"]))).same
+        timed = lambda name: ok.get((key, same.get(name, name)))  # noqa: E731 (a launch timed under its first name)
+        us, default = float(r["us"]), adapter.heuristic(shape).name
+        d_us = timed(default)
+        rows.append({"shape": adapter.describe(shape), "chosen": candidate_of(schema, r).name, "us": us,
+                     "tbps": float(r["tbps"]) if r.get("tbps") else math.nan, "default": default, "default_us": d_us,
+                     "gain": d_us / us if d_us else None,
+                     **{f"{v}_us": timed(v) for v in sorted(schema.variants)}})
+    return rows
+
+
+def report(adapter, out) -> str:
+    rows = report_rows(adapter, out)
+    head = ["shape", "chosen", "us", "tbps", "default", "default_us", "gain"]
+    cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    table = [head] + [[cell(r[c]) for c in head] for r in rows]
+    widths = [max(len(t[c]) for t in table) for c in range(len(head))]
+    lines = ["  ".join(t[c].ljust(widths[c]) if c < 2 else t[c].rjust(widths[c]) for c in range(len(head)))
+             for t in table]
+    gains = [r["gain"] for r in rows if r["gain"]]
+    if gains:
+        lines.append(f"tuned vs the default ({rows[0]['default']}): geometric-mean gain {_geomean(gains):.3f}x over "
+                     f"{len(gains)} of {len(rows)} shapes (min {min(gains):.3f}x, max {max(gains):.3f}x)")
+    fixed = {}
+    for v in sorted(adapter.schema.variants):
+        times = [r[f"{v}_us"] for r in rows]
+        if all(times):
+            fixed[v] = _geomean([t / r["us"] for t, r in zip(times, rows)])
+        else:
+            lines.append(f"{v} with its defaults has no accepted time on {sum(not t for t in times)} shapes")
+    if fixed:
+        best = min(fixed, key=fixed.get)
+        lines.append(f"tuned vs the best single fixed variant ({best}): geometric-mean gain {fixed[best]:.3f}x over "
+                     f"{len(rows)} shapes; " + ", ".join(f"{v} {g:.3f}x" for v, g in sorted(fixed.items())))
+    return "\n".join(lines)

@@ -1,0 +1,299 @@
+"""The tuner (hipkern.tune) on the CPU with a fake op whose timings are deterministic: candidates, rows,
+merging, Ctrl-C, resuming, the report, and sharding over worker processes (which import this module
+as test_tune). The paged-attention adapter: tests/test_tune_paged_attention.py."""
+import contextlib
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hipkern import tuning_db
+from hipkern.tune import core, runner
+from hipkern.tune.__main__ import main, parse_gpus, parse_where
+from hipkern.tune.core import Candidate, Pruned, dedupe, merge_best
+from hipkern.tune.report import report, report_rows
+
+TESTS = Path(__file__).resolve().parent
+FAKE_SCHEMA = tuning_db.Schema(op="faketune", exact_keys=("kind", "width"), bucket_keys=("batch",),
+                               param_keys=("tile",), variants=frozenset("abcde"), param_ranges={"tile": (1, 64)})
+tuning_db.register(FAKE_SCHEMA)
+# us per batch element: a is the heuristic, b[tile=2] the best; c leaves an element unwritten (NaN),
+# d computes wrong values, e raises: all three rejected although "fastest".
+COST = {"a": 10.0, "b": 8.0, "c": 1.0, "d": 2.0, "e": 3.0}
+KINDS = ("ok", "interrupt", "crash_cand", "crash_prep", "prep_once", "bad_prep")
+CALLS = []  # (shape label, candidate) run in this process
+STATE = {"clock": 0.0, "interrupts": 0}
+
+
+class FakeBench:
+    def __init__(self, s):
+        self.s, self.cand, self.nbytes = s, None, 1000 * s["batch"]
+        self.ref, self.tol = torch.arange(s["width"], dtype=torch.float32), dict(rtol=1e-3, atol=1e-3)
+
+    @contextlib.contextmanager
+    def use(self, cand):
+        self.cand = cand
+        yield
+        self.cand = None
+
+    def new_output(self):
+        return torch.empty(self.s["width"])
+
+    def call(self, out):
+        v, kind = self.cand.variant, self.s["kind"]
+        CALLS.append((FakeTuner().describe(self.s), self.cand.name))
+        if kind == "crash_cand" and self.cand.name == "b[tile=2]":
+            os._exit(4)
+        if kind == "interrupt" and v == "d" and STATE["interrupts"] > 0:
+            STATE["interrupts"] -= 1
+            raise KeyboardInterrupt
+        if v == "e":
+            raise RuntimeError("launch failed: boom")
+        out[: -1 if v == "c" else None] = (self.ref + (v == "d"))[: -1 if v == "c" else None]
+
+    def checked(self, out):
+        return out, self.ref
+
+    def time_us(self):
+        return COST[self.cand.variant] * self.s["batch"] * (0.75 if self.cand.kwargs.get("tile") == 2 else 1.0)
+
+
+class FakeTuner:
+    op, schema = "faketune", FAKE_SCHEMA
+
+    def parse_shape(self, raw):
+        s = {"kind": str(raw["kind"]), "width": int(raw["width"]), "batch": int(raw["batch"])}
+        if s["kind"] not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {s['kind']!r}")
+        return s
+
+    def describe(self, s):
+        return f"{s['kind']} w{s['width']} b{s['batch']}"
+
+    def order(self, s):
+        return (s["batch"], s["kind"])
+
+    def device_info(self, device):
+        return {"arch": "sm_90", "cu_count": 132}
+
+    def info_for(self, arch, cu_count):
+        return {"arch": arch, "cu_count": cu_count}
+
+    def heuristic(self, s):
+        return Candidate("a")
+
+    def candidates(self, s, info):
+        kept, same = dedupe([(Candidate("a"), "a"), (Candidate("b"), "b1"), (Candidate.of("b", tile=1), "b1"),
+                             (Candidate.of("b", tile=2), "b2"), (Candidate("c"), "c"), (Candidate("d"), "d"),
+                             (Candidate("e"), "e")])
+        return Pruned([c for c, _ in kept], same)
+
+    def estimate_s(self, s, cands, info):
+        return 0.01 * len(cands) * s["batch"]
+
+    def prepare(self, s, info, device):
+        STATE["clock"] += 10.0
+        marker = Path(os.environ.get("FAKE_TUNE_DIR", "/nonexistent")) / "crashed"
+        if s["kind"] == "crash_prep" or (s["kind"] == "prep_once" and not marker.exists()):
+            marker.touch()
+            os._exit(5)
+        if s["kind"] == "bad_prep":
+            raise RuntimeError("out of memory")
+        return FakeBench(s)
+
+
+FAKE = FakeTuner()
+
+
+def shapes(*specs):
+    """specs: (kind, batch) -> fake shapes of width 8."""
+    return core.parse_shapes(FAKE, [("test", {"kind": k, "width": 8, "batch": b}) for k, b in specs])
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    CALLS.clear()
+    STATE.update(clock=0.0, interrupts=0)
+    monkeypatch.setenv("FAKE_TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))  # workers import this module as test_tune
+    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
+    tuning_db.reset()
+    yield tmp_path / "results" / "sm_90" / "faketune.csv"
+    tuning_db.reset()
+
+
+def rows_of(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def by_key(path):
+    return {(r["kind"], int(r["batch"])): r for r in rows_of(path)}
+
+
+def test_candidate_names_and_dedupe():
+    assert Candidate.of("v3", partition_size=256).name == "v3[partition_size=256]" and Candidate("v9").name == "v9"
+    kept, same = dedupe([(Candidate("a"), 1), (Candidate.of("a", p=2), 2), (Candidate("b"), 1)])
+    assert [c.name for c, _ in kept] == ["a", "a[p=2]"] and same == {"b": "a"}
+
+
+def test_tune_writes_best_rows_and_rejects_bad_candidates(fresh):
+    s = runner.tune(FAKE, shapes(("ok", 1), ("ok", 4)), fresh, progress=False)
+    assert len(s.done) == 2 and s.rejected == 6 and not s.failed
+    best = by_key(fresh)
+    assert list(rows_of(fresh)[0]) == list(FAKE_SCHEMA.columns)  # the database has exactly the schema's columns
+    assert [(r["variant"], r["tile"], float(r["us"])) for r in best.values()] == [("b", "2", 6.0), ("b", "2", 24.0)]
+    assert best[("ok", 4)]["tbps"] == f"{4000 / 24.0 / 1e6:.4f}"
+    cand = {(r["batch"], r["variant"], r["tile"]): r for r in rows_of(core.candidates_path(fresh))}
+    assert len(cand) == 12  # 6 candidates per shape: b[tile=1] is b's launch, timed once
+    assert ("1", "b", "1") not in cand and cand[("1", "a", "")]["status"] == "ok"
+    assert "non-finite" in cand[("1", "c", "")]["note"] and cand[("1", "c", "")]["status"] == "rejected"
+    assert "checkAllclose mismatch" in cand[("1", "d", "")]["note"]
+    assert cand[("1", "e", "")]["note"] == "RuntimeError: launch failed: boom" and cand[("1", "e", "")]["us"] == ""
+
+
+def test_rows_round_trip_through_tuning_db_lookup(fresh, monkeypatch):
+    runner.tune(FAKE, shapes(("ok", 2)), fresh, progress=False)
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
+    tuning_db.reset()
+    c = tuning_db.lookup("faketune", "sm_90", 132, kind="ok", width=8, batch=2)
+    assert (c.variant, c.params, c.source) == ("b", {"tile": 2}, "exact")
+    assert tuning_db.lookup("faketune", "sm_90", 132, kind="ok", width=8, batch=8).source == "nearest"
+
+
+def test_merge_rule():
+    def r(variant, us, date, batch=1, status="ok"):
+        return dict(arch="sm_90", cu_count=132, variant=variant, us=us, date=date, kind="ok", width=8, batch=batch,
+                    tile="", status=status)
+
+    rows = [r("a", 10, "2026-11-01"), r("b", 9, "2026-10-01"), r("c", 1, "2026-11-05", status="rejected"),
+            r("z", 0.5, "2026-11-05"),  # a variant the op no longer has
+            r("a", 5, "2026-11-01", 2), r("b", 5, "2026-11-02", 2), r("c", 5, "2026-11-02", 2), r("d", 7, "", 2)]
+    assert [x["variant"] for x in merge_best(FAKE_SCHEMA, rows)] == ["b", "c"]  # c: same us and date, later row
+    assert merge_best(FAKE_SCHEMA, rows[:2] + [r("a", 9, "2026-11-03")])[0]["date"] == "2026-11-03"
+
+
+def test_existing_faster_row_survives_and_rows_of_unfinished_shapes_stay_out(fresh):
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    old = rows_of(fresh)
+    old[0].update(variant="a", tile="", us="1.000", date="2026-01-01")  # an older, faster row
+    core.write_csv(fresh, old, FAKE_SCHEMA.columns)
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    assert [(r["variant"], r["us"]) for r in rows_of(fresh)] == [("a", "1.000")]
+    new = core.make_row(FAKE_SCHEMA, FAKE.device_info(0), shapes(("ok", 8))[0], Candidate("a"), "ok", 3.0, 1, 0.0,
+                        "", {"date": "2026-11-21", "commit": ""})
+    core.save(FAKE_SCHEMA, fresh, [new], complete_keys=set())
+    assert len(rows_of(fresh)) == 1 and len(rows_of(core.candidates_path(fresh))) == 7
+
+
+def test_skip_done_restores_missing_database_rows_and_bad_files_are_named(fresh):
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    fresh.unlink()  # e.g. killed between writing the candidates file and the database
+    CALLS.clear()
+    s = runner.tune(FAKE, shapes(("ok", 1)), fresh, skip_done=True, progress=False)
+    assert s.skipped == 1 and not CALLS and by_key(fresh)[("ok", 1)]["variant"] == "b"
+    fresh.write_text(fresh.read_text().replace("6.000", "fast"))
+    with pytest.raises(ValueError, match=r"faketune.csv, line 2: not a faketune tuning row"):
+        runner.tune(FAKE, shapes(("ok", 2)), fresh, progress=False)
+    assert not CALLS  # before any timing
+
+
+def test_ctrl_c_keeps_finished_rows_and_skip_done_resumes(fresh):
+    STATE["interrupts"] = 1
+    todo = shapes(("ok", 1), ("ok", 2), ("interrupt", 4), ("ok", 8))
+    with pytest.raises(KeyboardInterrupt):
+        runner.tune(FAKE, todo, fresh, progress=False)
+    assert set(by_key(fresh)) == {("ok", 1), ("ok", 2)}  # the interrupted shape is unfinished: not chosen yet
+    measured = {(r["kind"], r["variant"] + r["tile"]) for r in rows_of(core.candidates_path(fresh))}
+    assert {m for m in measured if m[0] == "interrupt"} == {("interrupt", x) for x in ("a", "b", "b2", "c")}
+    CALLS.clear()
+    s = runner.tune(FAKE, todo, fresh, skip_done=True, progress=False)
+    assert s.skipped == 2 and len(s.done) == 2
+    assert sorted(CALLS) == sorted([("interrupt w8 b4", "d"), ("interrupt w8 b4", "e")] +
+                                   [("ok w8 b8", c) for c in ("a", "b", "b[tile=2]", "c", "d", "e")])
+    best = by_key(fresh)
+    assert len(best) == 4 and (best[("interrupt", 4)]["variant"], best[("interrupt", 4)]["tile"]) == ("b", "2")
+
+
+def test_time_limit_stops_between_shapes(fresh, monkeypatch):
+    monkeypatch.setattr(core, "_now", lambda: STATE["clock"])  # prepare() advances the clock by 10 s
+    s = runner.tune(FAKE, shapes(("ok", 1), ("ok", 2), ("ok", 4)), fresh, time_limit=15, progress=False)
+    assert s.stopped and sorted(by_key(fresh)) == [("ok", 1), ("ok", 2)]
+
+
+def test_report_table(fresh, capsys):
+    runner.tune(FAKE, shapes(("ok", 1), ("ok", 4)), fresh, progress=False)
+    rows = report_rows(FAKE, fresh)
+    assert [(r["chosen"], r["us"], r["default_us"], r["b_us"], r["c_us"]) for r in rows] == [
+        ("b[tile=2]", 6.0, 10.0, 8.0, None), ("b[tile=2]", 24.0, 40.0, 32.0, None)]
+    text = report(FAKE, fresh)
+    assert "ok w8 b4  b[tile=2]  24.00" in text and text.splitlines()[2].endswith("1.67")
+    assert "tuned vs the default (a): geometric-mean gain 1.667x over 2 of 2 shapes" in text
+    assert "tuned vs the best single fixed variant (b): geometric-mean gain 1.333x" in text
+    assert "c with its defaults has no accepted time on 2 shapes" in text
+    assert main(["report", "test_tune:FakeTuner", "--out", str(fresh)]) == 0
+    assert "b[tile=2]" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="has no tuned rows"):
+        report(FAKE, fresh.with_name("none.csv"))
+
+
+def test_plain_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "_tqdm", None)
+    p = runner.Progress(total=2, enabled=True)
+    p.update("x")
+    p.update("y")
+    assert "[tune] 2/2 candidates" in capsys.readouterr().out
+
+
+def test_two_workers_share_the_shapes_and_a_crashed_one_is_retried(fresh):
+    todo = shapes(("ok", 1), ("ok", 2), ("ok", 4), ("ok", 8), ("prep_once", 16))
+    s = runner.tune(FAKE, todo, fresh, spec="test_tune:FakeTuner", gpus=[0, 1], progress=False)
+    assert len(s.done) == 5 and not s.failed and set(s.per_gpu) == {0, 1}
+    assert len(s.crashes) == 1 and "crashed (exit code 5)" in s.crashes[0]
+    assert len(by_key(fresh)) == 5 and {r["variant"] + r["tile"] for r in rows_of(fresh)} == {"b2"}
+
+
+def test_crashing_candidate_is_rejected_and_the_rest_go_on(fresh):
+    todo = shapes(("ok", 1), ("crash_cand", 2), ("ok", 4), ("crash_prep", 8))
+    s = runner.tune(FAKE, todo, fresh, spec="test_tune:FakeTuner", gpus=[0, 1], progress=False)
+    assert set(s.failed) == {3} and "crashed twice" in s.failed[3] and len(s.done) == 3
+    cand = {(r["kind"], r["variant"] + r["tile"]): r for r in rows_of(core.candidates_path(fresh))}
+    assert cand[("crash_cand", "b2")]["status"] == "rejected"
+    assert "worker crashed (exit code 4)" in cand[("crash_cand", "b2")]["note"]
+    assert {k for k in cand if k[0] == "crash_cand"} == {("crash_cand", x) for x in ("a", "b", "b2", "c", "d", "e")}
+    best = by_key(fresh)
+    assert set(best) == {("ok", 1), ("crash_cand", 2), ("ok", 4)} and best[("crash_cand", 2)]["variant"] == "b"
+
+
+def test_cli_exit_code_says_whether_every_shape_was_tuned(fresh):
+    argv = ["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=2", "--out", str(fresh), "--no-progress"]
+    assert main(argv) == 0 and len(rows_of(fresh)) == 1
+    assert main(argv[:3] + ["--shape", "kind=bad_prep,width=8,batch=4"] + argv[3:]) == 1
+    assert ("bad_prep", 4) not in by_key(core.candidates_path(fresh)) and set(by_key(fresh)) == {("ok", 2)}
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["nosuchop"], "op must be one of"),
+    (["test_tune:FakeTuner", "--gpus", "0,x"], "--gpus must be comma-separated"),
+    (["test_tune:FakeTuner", "--time-limit", "0"], "--time-limit must be a positive"),
+    (["test_tune:FakeTuner", "--arch", "sm_90"], "--arch/--cu-count only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--shapes", "/nonexistent.csv"], "--shapes: /nonexistent.csv does not exist"),
+    (["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=3"], "batch='3' must be a power of two"),
+    (["test_tune:FakeTuner", "--shape", "kind=ok,width"], "--shape must be key=value"),
+    (["test_tune:FakeTuner", "--shape", "kind=odd,width=8,batch=2"], "kind must be one of"),
+    (["test_tune:FakeTuner", "--shape", "kind=ok,batch=2"], r"missing \['width'\]"),
+    (["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=2", "--where", "nokey=1"], "--where keys must be"),
+    (["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=2", "--where", "kind=x"], "no faketune shapes selected"),
+])
+def test_bad_cli_input_is_a_value_error(argv, msg, fresh):
+    with pytest.raises(ValueError, match=msg):
+        main(argv)
+
+
+def test_parse_helpers():
+    assert parse_gpus("0,1,1") == [0, 1, 1] and parse_gpus(None) is None
+    assert parse_where(["dtype=bfloat16", "batch=8"]) == {"dtype": "bfloat16", "batch": "8"}
+    with pytest.raises(ValueError, match="--where must be key=value"):
+        parse_where(["dtype"])
