@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["topk_softmax_ref", "paged_attention_ref"]
+__all__ = ["topk_softmax_ref", "paged_attention_ref", "grouped_topk_scores_ref", "grouped_topk_ref",
+           "moe_sorting_ref"]
 
 
 def topk_softmax_ref(gating_logits: torch.Tensor, topk: int, renormalize: bool = True):
@@ -42,3 +43,61 @@ def paged_attention_ref(query, key_cache, value_cache, block_tables, context_len
         probs = torch.softmax(scores, dim=-1).to(compute_dtype)
         out[s] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(num_q_heads, head_size)
     return out, lse
+
+
+def grouped_topk_scores_ref(gating_logits, correction_bias, num_expert_group, scoring="sigmoid",
+                            dtype=torch.float64):
+    """The scores grouped_topk ranks, in `dtype`: (s [T, E] unbiased, b [T, E] = s + bias,
+    group_scores [T, G] = the sum of each group's two largest b, or its only b)."""
+    x = gating_logits.to(dtype)
+    s = torch.sigmoid(x) if scoring == "sigmoid" else torch.softmax(x, dim=-1)
+    b = s if correction_bias is None else s + correction_bias.to(dtype)
+    t, e = b.shape
+    per_group = e // num_expert_group
+    top = b.view(t, num_expert_group, per_group).topk(min(2, per_group), dim=-1).values
+    return s, b, top.sum(dim=-1)
+
+
+def grouped_topk_ref(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring="sigmoid",
+                     renormalize=True, routed_scaling_factor=1.0, dtype=torch.float64):
+    """DeepSeek-V3 routing in `dtype`: keep the topk_group groups of largest group score, then the topk
+    largest b among their experts (stable descending sorts: ties go to the lower index); weights are
+    the chosen s, renormalised, times routed_scaling_factor. Returns (weights float32, ids int32)."""
+    s, b, group_scores = grouped_topk_scores_ref(gating_logits, correction_bias, num_expert_group, scoring, dtype)
+    t, e = b.shape
+    kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    group_mask = torch.zeros(t, num_expert_group, dtype=torch.bool, device=b.device).scatter_(1, kept, True)
+    expert_mask = group_mask.repeat_interleave(e // num_expert_group, dim=1)
+    masked = b.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights = s.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * routed_scaling_factor
+    return weights.float(), ids.to(torch.int32)
+
+
+def moe_sorting_ref(topk_ids, num_experts, block_m, expert_map=None):
+    """Per-expert loop over the flattened ids (pair p = t * k + j): each expert's pairs in increasing p,
+    padded with the sentinel T*k to a multiple of block_m; pairs with ids outside [0, E) or remote
+    experts (expert_map < 0) dropped. Returns (sorted_token_ids, expert_ids, num_tokens_post_padded),
+    int32, on the device of topk_ids."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    n = flat.numel()
+    max_padded = (n + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32)
+    expert_ids = torch.full((max_padded // block_m,), -1, dtype=torch.int32)
+    emap = None if expert_map is None else expert_map.cpu().tolist()
+    pos = 0
+    for e in range(num_experts):
+        if emap is not None and emap[e] < 0:
+            continue
+        pairs = (flat == e).nonzero().flatten()
+        if pairs.numel() == 0:
+            continue
+        sorted_ids[pos:pos + pairs.numel()] = pairs.to(torch.int32)
+        rows = (pairs.numel() + block_m - 1) // block_m * block_m
+        expert_ids[pos // block_m:(pos + rows) // block_m] = e if emap is None else emap[e]
+        pos += rows
+    dev = topk_ids.device
+    return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)

@@ -1,6 +1,8 @@
 """Public ops. Each module validates its arguments, registers torch.ops.hipkern.<op>, and dispatches
 to a JIT-built HIP module."""
+from .grouped_topk import grouped_topk
+from .moe_sorting import moe_sorting
 from .paged_attention import paged_attention_decode
 from .topk_softmax import topk_softmax
 
-__all__ = ["paged_attention_decode", "topk_softmax"]
+__all__ = ["grouped_topk", "moe_sorting", "paged_attention_decode", "topk_softmax"]

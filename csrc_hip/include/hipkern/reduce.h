@@ -81,4 +81,39 @@ HK_DEVICE float block_sum(float v, float* scratch) {
   return group_sum(t);
 }
 
+// Inclusive prefix sum over the lanes of each aligned group of `Width` lanes.
+template <int Width = kWaveSize, typename T>
+HK_DEVICE T group_inclusive_sum(T v) {
+  static_assert(Width >= 1 && Width <= kWaveSize && (Width & (Width - 1)) == 0, "group width");
+  const int l = lane_id() % Width;
+#pragma unroll
+  for (int off = 1; off < Width; off *= 2) {
+    const T t = shfl(v, l >= off ? l - off : l, Width);
+    if (l >= off) v += t;
+  }
+  return v;
+}
+
+// Exclusive prefix sum over a whole block of BlockThreads threads in thread order; `total` gets the
+// block's sum. `scratch` holds one T per wave. Contains barriers: every thread must call it.
+template <int BlockThreads, typename T>
+HK_DEVICE T block_exclusive_sum(T v, T* scratch, T& total) {
+  constexpr int kWaves = BlockThreads / kWaveSize;
+  static_assert(BlockThreads % kWaveSize == 0, "block of whole waves");
+  const T inc = group_inclusive_sum(v);
+  const int wave = threadIdx.x / kWaveSize;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane_id() == kWaveSize - 1) scratch[wave] = inc;
+  __syncthreads();
+  T before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < kWaves; ++w) {
+    const T s = scratch[w];
+    before += w < wave ? s : T(0);
+    all += s;
+  }
+  total = all;
+  return before + inc - v;
+}
+
 }  // namespace hk

@@ -1,0 +1,309 @@
+"""grouped_topk against a float64 torch reference (DeepSeek-V3 routing, stable tie rules)."""
+import pytest
+import torch
+
+import hipkern
+from hipkern.reference import grouped_topk_ref, grouped_topk_scores_ref
+from hipkern.testing import checkAllclose, poison
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+RTOL, ATOL = 1e-5, 1e-6  # float32 kernel vs float64 reference
+# (E, groups, kept groups): DeepSeek-V3 (256/8/4), V2 (160/8/3), Kimi-K2-like (384/1/1), one expert
+# per group, groups of non-power-of-two size or count, every group kept (no group stage), the limits.
+CONFIGS = [(8, 1, 1), (8, 4, 2), (8, 8, 3), (64, 8, 3), (64, 1, 1), (96, 3, 2), (160, 8, 3), (256, 8, 4),
+           (256, 8, 8), (256, 64, 5), (257, 1, 1), (384, 1, 1), (512, 16, 16), (512, 64, 8)]
+
+
+def _logits(t, e, dtype, scale=2.0):
+    return (torch.randn(t, e, device="cuda") * scale).to(dtype)
+
+
+def _bias(e):
+    return torch.randn(e, device="cuda") * 0.3
+
+
+def _run(x, bias, k, g, tg, **kw):
+    out = (poison(torch.empty(x.shape[0], k, device=x.device)),
+           poison(torch.empty(x.shape[0], k, device=x.device, dtype=torch.int32)))
+    w, ids = hipkern.grouped_topk(x, bias, k, g, tg, out=out, **kw)
+    assert w is out[0] and ids is out[1]
+    return w, ids
+
+
+def _near(sorted_desc, width):
+    """Rows whose first `width` + 1 sorted values hold two distinct values within float32 noise."""
+    top = sorted_desc[:, : width + 1]
+    gaps = -top.diff(dim=1)
+    return ((gaps > 0) & (gaps < 1e-6 + 1e-5 * top[:, 1:].abs())).any(dim=1)
+
+
+def _check(x, bias, k, g, tg, w, ids, scoring="sigmoid", renormalize=True, scale=1.0):
+    """Weights are the scores at the returned ids; ids equal the float64 reference's wherever the
+    group boundary and the top k+1 selection scores have no near-tie (distinct but within float32
+    noise); exact ties follow the tie rule on both sides and must agree."""
+    t, e = x.shape
+    s, b, gs = grouped_topk_scores_ref(x, bias, g, scoring)
+    ref_w, ref_ids = grouped_topk_ref(x, bias, k, g, tg, scoring, renormalize, scale)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    if t == 0:
+        return
+    assert int(ids.min()) >= 0 and int(ids.max()) < e
+    assert (ids.sort(dim=1).values.diff(dim=1) != 0).all(), "an expert chosen twice"
+    picked = s.gather(1, ids.long())
+    if renormalize:
+        picked = picked / picked.sum(dim=1, keepdim=True)
+    assert checkAllclose(w, (picked * scale).float(), rtol=RTOL, atol=ATOL, msg="weights at ids ") == 0
+    near = torch.zeros(t, dtype=torch.bool, device=x.device)
+    if tg < g:
+        near |= _near(gs.sort(dim=1, descending=True).values[:, tg - 1:], 1)
+    kept_groups = torch.zeros(t, g, dtype=torch.bool, device=x.device)
+    kept_groups.scatter_(1, gs.sort(dim=1, descending=True, stable=True).indices[:, :tg], True)
+    masked = b.masked_fill(~kept_groups.repeat_interleave(e // g, dim=1), float("-inf"))
+    near |= _near(masked.sort(dim=1, descending=True).values, min(k, tg * (e // g) - 1))
+    assert int(near.sum()) <= max(2, 0.05 * t), f"{int(near.sum())} of {t} rows with near-ties"
+    exact = ~near
+    torch.testing.assert_close(ids[exact], ref_ids[exact], rtol=0, atol=0)
+    assert checkAllclose(w[exact], ref_w[exact], rtol=RTOL, atol=ATOL) == 0
+
+
+def _topks(e, g, tg):
+    return sorted({k for k in (1, 2, 8, 9) if k <= min(16, tg * (e // g))})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("e,g,tg", CONFIGS)
+def test_matches_reference(dtype, scoring, e, g, tg):
+    torch.manual_seed(e * 131 + g * 7 + tg)
+    for t in (1, 3, 129):
+        for k in _topks(e, g, tg):
+            for bias in (None, _bias(e)):
+                renorm, scale = (True, 1.0) if k % 2 else (False, 2.5)
+                x = _logits(t, e, dtype)
+                w, ids = _run(x, bias, k, g, tg, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale)
+                _check(x, bias, k, g, tg, w, ids, scoring, renorm, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [2048, 70001])
+def test_deepseek_v3_shape_many_tokens(dtype, t):
+    torch.manual_seed(t)
+    x, bias = _logits(t, 256, dtype), _bias(256)
+    w, ids = _run(x, bias, 8, 8, 4, routed_scaling_factor=2.5)
+    _check(x, bias, 8, 8, 4, w, ids, scale=2.5)
+    # The bias changes the choice for many tokens (it is used), but never the weights' source.
+    w0, ids0 = hipkern.grouped_topk(x, None, 8, 8, 4, routed_scaling_factor=2.5)
+    assert (ids0 != ids).any(dim=1).float().mean() > 0.5
+    _check(x, None, 8, 8, 4, w0, ids0, scale=2.5)
+
+
+@pytest.mark.gpu
+def test_a_million_tokens():
+    t = 1_000_003
+    torch.manual_seed(0)
+    x, bias = _logits(t, 256, torch.bfloat16), _bias(256)
+    w, ids = _run(x, bias, 8, 8, 4)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 256 and torch.isfinite(w).all()
+    assert (ids.sort(dim=1).values.diff(dim=1) != 0).all()
+    rows = torch.cat([torch.arange(0, t, 997, device="cuda"), torch.arange(t - 300, t, device="cuda")])
+    _check(x[rows], bias, 8, 8, 4, w[rows], ids[rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("e,g,tg,k", [(256, 8, 4, 8), (64, 4, 2, 9), (512, 64, 8, 16), (257, 1, 1, 8)])
+def test_exact_ties_follow_the_index_rule(dtype, scoring, e, g, tg, k):
+    """Equal logits and biases in multiples of 1/8: every score, sum and comparison is exact in float32
+    and float64 alike, with many equal selection scores and equal group scores."""
+    torch.manual_seed(11)
+    x = torch.zeros(257, e, device="cuda", dtype=dtype)
+    bias = torch.randint(0, 4, (e,), device="cuda").float() / 8
+    w, ids = _run(x, bias, k, g, tg, scoring=scoring)
+    ref_w, ref_ids = grouped_topk_ref(x, bias, k, g, tg, scoring)
+    assert torch.equal(ids, ref_ids)
+    assert checkAllclose(w, torch.full_like(w, 1.0 / k), rtol=RTOL, atol=ATOL) == 0
+    # Integer logits without bias: ties inside and across groups, scores far apart otherwise.
+    x = torch.randint(0, 3, (257, e), device="cuda").to(dtype)
+    x[7] = 1.0  # a row of all-equal logits: the first groups, then the first experts, win
+    w, ids = _run(x, None, k, g, tg, scoring=scoring)
+    ref_w, ref_ids = grouped_topk_ref(x, None, k, g, tg, scoring)
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(ids[7].cpu(), torch.arange(k, dtype=torch.int32))
+    assert checkAllclose(w, ref_w, rtol=RTOL, atol=ATOL) == 0
+
+
+@pytest.mark.gpu
+def test_group_ties_keep_the_lower_group():
+    x = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0, 0.0, 2.0, 2.0, 0.0, 0.0, 2.0, 2.0, 0.0, 0.0]],
+                     device="cuda").repeat(5, 1)
+    w, ids = _run(x, None, 4, 4, 2)  # groups 1, 2, 3 tie: 1 and 2 are kept
+    assert ids.tolist() == [[4, 5, 8, 9]] * 5
+    assert checkAllclose(w, torch.full_like(w, 0.25)) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_logits_and_bias_take_the_scalar_path(dtype):
+    torch.manual_seed(3)
+    x = _logits(1, 33 * 256 + 1, dtype).view(-1)[1:].view(33, 256)
+    bias = _bias(257)[1:]
+    assert x.data_ptr() % 16 != 0 and bias.data_ptr() % 16 != 0
+    _check(x, bias, 8, 8, 4, *_run(x, bias, 8, 8, 4))
+    x = _logits(33, 256, dtype)  # aligned logits, unaligned bias
+    _check(x, bias, 8, 8, 4, *_run(x, bias, 8, 8, 4))
+
+
+@pytest.mark.gpu
+def test_zero_tokens_and_side_stream():
+    w, ids = hipkern.grouped_topk(torch.empty(0, 256, device="cuda"), _bias(256), 8, 8, 4)
+    assert w.shape == (0, 8) and ids.shape == (0, 8) and ids.dtype == torch.int32
+    x, bias = _logits(4096, 256, torch.bfloat16), _bias(256)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w, ids = hipkern.grouped_topk(x, bias, 8, 8, 4)
+    torch.cuda.current_stream().wait_stream(s)
+    _check(x, bias, 8, 8, 4, w, ids)
+
+
+@pytest.mark.gpu
+def test_deterministic():
+    x, bias = _logits(8192, 256, torch.float32), _bias(256)
+    first = hipkern.grouped_topk(x, bias, 8, 8, 4)
+    for _ in range(10):
+        again = hipkern.grouped_topk(x, bias, 8, 8, 4)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    x, bias = _logits(512, 256, torch.bfloat16), _bias(256)
+    out = (torch.empty(512, 8, device="cuda"), torch.empty(512, 8, device="cuda", dtype=torch.int32))
+    hipkern.grouped_topk(x, bias, 8, 8, 4, out=out)  # warm-up (module load) outside the capture
+    hipkern.grouped_topk(x, None, 8, 8, 4, scoring="softmax")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hipkern.grouped_topk(x, bias, 8, 8, 4, out=out)
+        functional = hipkern.grouped_topk(x, None, 8, 8, 4, scoring="softmax", renormalize=False)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(_logits(512, 256, torch.bfloat16))
+        bias.copy_(_bias(256))
+        poison(out[0]), poison(out[1]), poison(functional[0]), poison(functional[1])
+        g.replay()
+        torch.cuda.synchronize()
+        _check(x, bias, 8, 8, 4, *out)
+        _check(x, None, 8, 8, 4, *functional, scoring="softmax", renormalize=False)
+
+
+@pytest.mark.gpu
+def test_torch_compile():
+    def route(logits, bias):
+        w, ids = hipkern.grouped_topk(logits, bias, 4, 4, 2, routed_scaling_factor=2.0)
+        return w * 2, ids
+
+    compiled = torch.compile(route, fullgraph=True)
+    bias = _bias(32)
+    for t in (16, 33):
+        x = _logits(t, 32, torch.float16)
+        w, ids = compiled(x, bias)
+        _check(x, bias, 4, 4, 2, w / 2, ids, scale=2.0)
+
+
+@pytest.mark.gpu
+def test_arguments_on_another_device_are_rejected():
+    x = _logits(4, 8, torch.float32)
+    with pytest.raises(ValueError, match="correction_bias must be on cuda:0"):
+        hipkern.grouped_topk(x, torch.zeros(8), 2, 1, 1)
+    with pytest.raises(ValueError, match=r"out\[0\] \(weights\) must be on cuda:0"):
+        hipkern.grouped_topk(x, None, 2, 1, 1, out=(torch.empty(4, 2), torch.empty(4, 2, dtype=torch.int32)))
+
+
+# ---------------------------------------------------------------- argument validation (any device)
+def _cpu(t=4, e=16, dtype=torch.float32):
+    return torch.randn(t, e, dtype=dtype)
+
+
+B16 = torch.zeros(16)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((_cpu(), B16, 2, 3, 1), {}, r"num_expert_group must divide the number of experts \(16\)"),
+    ((_cpu(), B16, 2, 0, 1), {}, r"num_expert_group must be in \[1, 16\]"),
+    ((_cpu(4, 256), None, 2, 128, 1), {}, r"num_expert_group must be in \[1, 64\]"),
+    ((_cpu(), B16, 2, 4, 5), {}, r"topk_group must be in \[1, 4\]"),
+    ((_cpu(), B16, 2, 4, 0), {}, r"topk_group must be in \[1, 4\]"),
+    ((_cpu(), B16, 9, 4, 2), {}, r"topk must be in \[1, 8\]"),
+    ((_cpu(), B16, 0, 4, 2), {}, r"topk must be in \[1, 8\]"),
+    ((_cpu(4, 64), None, 17, 1, 1), {}, r"topk must be in \[1, 16\]"),
+    ((_cpu(), B16, 2.0, 4, 2), {}, "topk must be an int"),
+    ((_cpu(), B16, 2, 4.0, 2), {}, "num_expert_group must be an int"),
+    ((_cpu(), B16, 2, 4, True), {}, "topk_group must be an int"),
+    ((_cpu(), B16, 2, 4, 2), {"scoring": "relu"}, "scoring must be one of 'sigmoid', 'softmax'"),
+    ((_cpu(), B16, 2, 4, 2), {"renormalize": 1}, "renormalize must be a bool"),
+    ((_cpu(), B16, 2, 4, 2), {"routed_scaling_factor": float("inf")}, "routed_scaling_factor must be a finite"),
+    ((_cpu(), B16, 2, 4, 2), {"routed_scaling_factor": "2"}, "routed_scaling_factor must be a finite"),
+    ((_cpu(4, 600), None, 2, 1, 1), {}, "gating_logits must have 1..512 experts"),
+    ((_cpu(4, 0), None, 1, 1, 1), {}, "gating_logits must have 1..512 experts"),
+    ((_cpu()[0], B16, 1, 1, 1), {}, "gating_logits must have 2 dimensions"),
+    ((_cpu(dtype=torch.float64), B16, 2, 4, 2), {}, "gating_logits must be one of float32, float16, bfloat16"),
+    ((_cpu(16, 4).t(), None, 2, 1, 1), {}, "gating_logits must be contiguous"),
+    (([[1.0, 2.0]], None, 1, 1, 1), {}, "gating_logits must be a torch.Tensor"),
+    ((_cpu(), torch.zeros(8), 2, 4, 2), {}, r"correction_bias must have shape \(16,\)"),
+    ((_cpu(), torch.zeros(16, dtype=torch.bfloat16), 2, 4, 2), {}, "correction_bias must be one of float32"),
+    ((_cpu(), torch.zeros(32)[::2], 2, 4, 2), {}, "correction_bias must be contiguous"),
+    ((_cpu(), [0.0] * 16, 2, 4, 2), {}, "correction_bias must be a torch.Tensor"),
+    ((_cpu(), B16, 2, 4, 2), {}, "gating_logits must be on a GPU"),
+    ((_cpu(), B16, 2, 4, 2), {"out": (torch.empty(4, 2),)}, "out must be a pair"),
+    ((_cpu(), B16, 2, 4, 2), {"out": (torch.empty(4, 3), torch.empty(4, 2, dtype=torch.int32))},
+     r"out\[0\] \(weights\) must have shape \(4, 2\)"),
+    ((_cpu(), B16, 2, 4, 2), {"out": (torch.empty(4, 2), torch.empty(4, 2))}, r"out\[1\] \(ids\) must be one of int32"),
+])
+def test_bad_arguments_raise_value_error(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hipkern.grouped_topk(*args, **kwargs)
+
+
+def test_reference_on_a_hand_computed_case():
+    # Sigmoid scores: groups of 2 sum to g0 1.453, g1 1.462, g2 1.000, g3 1.762: g3 and g1 are kept, so
+    # expert 4 (the best single score) is not chosen; 6 and 7 tie (6 first), then 2 before 3.
+    x = torch.tensor([[0.0, 3.0, 1.0, 1.0, 4.0, -4.0, 2.0, 2.0]])
+    s = torch.sigmoid(x.double())[0]
+    w, ids = grouped_topk_ref(x, None, 3, 4, 2)
+    assert ids.tolist() == [[6, 7, 2]]
+    expect = torch.stack([s[6], s[7], s[2]])
+    assert torch.allclose(w[0].double(), expect / expect.sum(), rtol=1e-6)
+    # A bias lifts expert 3 above 6 and 7 for selection; its weight stays its unbiased score.
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0])
+    w, ids = grouped_topk_ref(x, bias, 3, 4, 2, renormalize=False, routed_scaling_factor=2.0)
+    assert ids.tolist() == [[3, 6, 7]]
+    assert torch.allclose(w[0].double(), 2.0 * torch.stack([s[3], s[6], s[7]]), rtol=1e-6)
+    # Softmax scores: group sums e^0+e^3, 2e, e^4+e^-4, 2e^2 keep g2 and g0: experts 4, 1, 0.
+    w, ids = grouped_topk_ref(x, None, 3, 4, 2, scoring="softmax")
+    assert ids.tolist() == [[4, 1, 0]]
+    p = torch.exp(x.double()[0, [4, 1, 0]])
+    assert torch.allclose(w[0].double(), p / p.sum(), rtol=1e-6)
+    # One expert per group: a group scores its only expert; all groups kept equals a plain top-k.
+    w, ids = grouped_topk_ref(x, None, 2, 8, 3)
+    assert ids.tolist() == [[4, 1]]
+    assert grouped_topk_ref(x, None, 3, 1, 1)[1].tolist() == [[4, 1, 6]]
+
+
+def test_op_is_registered_for_compile_and_graphs():
+    assert hasattr(torch.ops.hipkern, "grouped_topk") and hasattr(torch.ops.hipkern, "grouped_topk_out")
+    schema = str(torch.ops.hipkern.grouped_topk_out.default._schema)
+    assert "Tensor(a!) weights" in schema and "Tensor(b!) ids" in schema
+
+
+def test_fake_impl_gives_the_output_shapes_without_a_gpu():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 256, device="cuda", dtype=torch.bfloat16)
+        w, ids = torch.ops.hipkern.grouped_topk(x, torch.empty(256, device="cuda"), 8, 8, 4, "sigmoid", True, 2.5)
+        assert w.shape == (5, 8) and w.dtype == torch.float32 and ids.dtype == torch.int32
+        with pytest.raises(ValueError, match="num_expert_group must divide"):
+            torch.ops.hipkern.grouped_topk(x, None, 8, 7, 4, "sigmoid", True, 1.0)

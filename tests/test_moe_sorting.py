@@ -1,0 +1,248 @@
+"""moe_sorting against a per-expert torch loop: the exact same int32 outputs, every element."""
+import pytest
+import torch
+
+import hipkern
+from hipkern.ops.moe_sorting import moe_sorting_max_padded
+from hipkern.reference import moe_sorting_ref
+from hipkern.testing import poison
+
+ONE_BLOCK_MAX_PAIRS = 8192  # csrc_hip/moe_sorting: larger inputs take the multi-block path
+
+
+def _routing(t, k, e, device="cuda"):
+    """Distinct experts per token (as a router gives), random over tokens."""
+    return torch.rand(t, e, device=device).topk(k, dim=1).indices.to(torch.int32)
+
+
+def _run(ids, e, bm, expert_map=None):
+    n = ids.numel()
+    mp = moe_sorting_max_padded(n, e, bm)
+    out = tuple(poison(torch.empty(size, dtype=torch.int32, device=ids.device)) for size in (mp, mp // bm, 1))
+    res = hipkern.moe_sorting(ids, e, bm, expert_map=expert_map, out=out)
+    assert all(r is o for r, o in zip(res, out))
+    return res
+
+
+def _check(ids, e, bm, res, expert_map=None):
+    ref = moe_sorting_ref(ids, e, bm, expert_map)
+    for name, got, want in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), res, ref):
+        assert got.dtype == torch.int32 and got.shape == want.shape, name
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero().flatten()[:8].tolist()
+            pytest.fail(f"{name} differs at {bad}: got {got[bad].tolist()}, want {want[bad].tolist()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e", [8, 64, 256, 257, 1024])
+@pytest.mark.parametrize("bm", [1, 16, 64, 128])
+def test_matches_reference(e, bm):
+    torch.manual_seed(e + bm)
+    for t in (0, 1, 3, 32, 129, 2048):
+        for k in (1, 2, 8, 9):
+            if k > e:
+                continue
+            ids = _routing(t, k, e)
+            _check(ids, e, bm, _run(ids, e, bm))
+            functional = hipkern.moe_sorting(ids, e, bm)  # outputs from the allocator
+            _check(ids, e, bm, functional)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_pairs", [ONE_BLOCK_MAX_PAIRS - 1, ONE_BLOCK_MAX_PAIRS, ONE_BLOCK_MAX_PAIRS + 1,
+                                     3 * 2048 + 5 + ONE_BLOCK_MAX_PAIRS])
+def test_both_paths_around_the_threshold(n_pairs):
+    torch.manual_seed(n_pairs)
+    ids = torch.randint(0, 64, (n_pairs, 1), device="cuda", dtype=torch.int32)  # repeats within a token too
+    _check(ids, 64, 16, _run(ids, 64, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,bm", [(16384, 8, 256, 64), (65536, 2, 8, 128), (4096, 9, 257, 32),
+                                      (131072, 8, 1024, 16), (1_000_003, 2, 64, 256)])
+def test_many_tokens_multi_block(t, k, e, bm):
+    torch.manual_seed(t)
+    ids = _routing(t, k, e) if t * e <= 2**28 else torch.randint(0, e, (t, k), device="cuda", dtype=torch.int32)
+    _check(ids, e, bm, _run(ids, e, bm))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k", [(1, 8), (100, 1), (3000, 8)])
+def test_skewed_routing(t, k):
+    e, bm = 256, 64
+    same = torch.full((t, k), 17, device="cuda", dtype=torch.int32)  # every pair to one expert
+    _check(same, e, bm, _run(same, e, bm))
+    fixed = torch.arange(k, device="cuda", dtype=torch.int32).repeat(t, 1) * 3 + 5  # the same k experts
+    _check(fixed, e, bm, _run(fixed, e, bm))
+    res = _run(fixed, e, bm)
+    used = (t + bm - 1) // bm * bm * k
+    assert int(res[2]) == used and (res[1][: used // bm] >= 5).all() and (res[1][used // bm:] == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e", [(1, 8, 256), (129, 8, 256), (20000, 8, 256), (300, 2, 9)])
+def test_expert_map_with_half_the_experts_remote(t, k, e):
+    torch.manual_seed(t)
+    ids = _routing(t, k, e)
+    local = torch.randperm(e, device="cuda")[: e // 2]
+    expert_map = torch.full((e,), -1, device="cuda", dtype=torch.int32)
+    expert_map[local.sort().values] = torch.arange(e // 2, device="cuda", dtype=torch.int32)
+    res = _run(ids, e, 32, expert_map)
+    _check(ids, e, 32, res, expert_map)
+    kept = res[0][res[0] < ids.numel()].long()
+    assert (expert_map[ids.view(-1)[kept].long()] >= 0).all()
+    assert int((expert_map[ids.view(-1).long()] >= 0).sum()) == kept.numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [5, 3000])
+def test_out_of_range_ids_stay_in_bounds_and_validate_rejects_them(t):
+    ids = _routing(t, 4, 64)
+    ids[0, 0], ids[-1, 1], ids[t // 2, 2] = -5, 64, 2**31 - 1
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 64\)"):
+        hipkern.moe_sorting(ids, 64, 16, validate=True)
+    guard = torch.full((1 << 16,), 12345, device="cuda", dtype=torch.int32)  # neighbours must stay intact
+    sorted_ids, expert_ids, num_post = _run(ids, 64, 16)
+    torch.cuda.synchronize()
+    assert (guard == 12345).all()
+    assert int(sorted_ids.min()) >= 0 and int(sorted_ids.max()) <= ids.numel()
+    assert int(expert_ids.min()) >= -1 and int(expert_ids.max()) < 64
+    assert 0 <= int(num_post) <= sorted_ids.numel()
+    with pytest.raises(ValueError, match="expert_map values must be -1"):
+        hipkern.moe_sorting(_routing(t, 4, 64), 64, 16, validate=True,
+                            expert_map=torch.full((64,), -2, device="cuda", dtype=torch.int32))
+    ok = _routing(t, 4, 64)
+    _check(ok, 64, 16, hipkern.moe_sorting(ok, 64, 16, validate=True))
+
+
+@pytest.mark.gpu
+def test_zero_tokens():
+    ids = torch.empty(0, 8, device="cuda", dtype=torch.int32)
+    sorted_ids, expert_ids, num_post = _run(ids, 256, 64)
+    assert sorted_ids.shape == (256 * 63 // 64 * 64,) and (sorted_ids == 0).all()
+    assert (expert_ids == -1).all() and int(num_post) == 0
+    s, x, n = hipkern.moe_sorting(torch.empty(0, 2, device="cuda", dtype=torch.int32), 8, 1)
+    assert s.numel() == 0 and x.numel() == 0 and n.tolist() == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 4096])  # one-block and multi-block paths
+def test_deterministic(t):
+    ids = torch.randint(0, 256, (t, 8), device="cuda", dtype=torch.int32)
+    first = hipkern.moe_sorting(ids, 256, 64)
+    for _ in range(10):
+        again = hipkern.moe_sorting(ids, 256, 64)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [32, 4096])  # one-block and multi-block paths
+def test_cuda_graph_capture_and_replay_with_new_ids(t):
+    e, k, bm = 256, 8, 64
+    ids = _routing(t, k, e)
+    emap = torch.arange(e, device="cuda", dtype=torch.int32)
+    emap[::3] = -1
+    mp = moe_sorting_max_padded(t * k, e, bm)
+    out = tuple(torch.empty(n, dtype=torch.int32, device="cuda") for n in (mp, mp // bm, 1))
+    hipkern.moe_sorting(ids, e, bm, out=out)  # warm-up (module load) outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hipkern.moe_sorting(ids, e, bm, out=out)
+        functional = hipkern.moe_sorting(ids, e, bm, expert_map=emap)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ids.copy_(_routing(t, k, e))
+        for o in (*out, *functional):
+            poison(o)
+        g.replay()
+        torch.cuda.synchronize()
+        _check(ids, e, bm, out)
+        _check(ids, e, bm, functional, emap)
+
+
+@pytest.mark.gpu
+def test_torch_compile():
+    def sort(ids):
+        s, x, n = hipkern.moe_sorting(ids, 64, 16)
+        return s + 0, x, n
+
+    compiled = torch.compile(sort, fullgraph=True)
+    for t in (16, 33):
+        ids = _routing(t, 4, 64)
+        _check(ids, 64, 16, compiled(ids))
+
+
+@pytest.mark.gpu
+def test_arguments_on_another_device_are_rejected():
+    ids = _routing(4, 2, 8)
+    with pytest.raises(ValueError, match="expert_map must be on cuda:0"):
+        hipkern.moe_sorting(ids, 8, 4, expert_map=torch.zeros(8, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- argument validation (any device)
+def _ids(t=4, k=2, e=8):
+    return _routing(t, k, e, device="cpu")
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((_ids(), 0, 16), {}, r"num_experts must be in \[1, 1024\]"),
+    ((_ids(), 2000, 16), {}, r"num_experts must be in \[1, 1024\]"),
+    ((_ids(), 8.0, 16), {}, "num_experts must be an int"),
+    ((_ids(), 8, 0), {}, r"block_m must be in \[1, 1024\]"),
+    ((_ids(), 8, 4096), {}, r"block_m must be in \[1, 1024\]"),
+    ((_ids(), 8, True), {}, "block_m must be an int"),
+    ((_ids().long(), 8, 16), {}, "topk_ids must be one of int32"),
+    ((_ids().view(-1), 8, 16), {}, "topk_ids must have 2 dimensions"),
+    ((_ids(8, 4).t(), 8, 16), {}, "topk_ids must be contiguous"),
+    (([[1, 2]], 8, 16), {}, "topk_ids must be a torch.Tensor"),
+    ((torch.empty(2**29, 4, dtype=torch.int32, device="meta"), 8, 16), {}, "topk_ids has too many entries"),
+    ((_ids(), 8, 16), {"expert_map": torch.zeros(4, dtype=torch.int32)}, r"expert_map must have shape \(8,\)"),
+    ((_ids(), 8, 16), {"expert_map": torch.zeros(8)}, "expert_map must be one of int32"),
+    ((_ids(), 8, 16), {"validate": 1}, "validate must be a bool"),
+    ((_ids(), 8, 16), {}, "topk_ids must be on a GPU"),
+    ((_ids(), 8, 16), {"out": (torch.empty(128, dtype=torch.int32),)}, "out must be a triple"),
+    ((_ids(), 8, 16), {"out": tuple(torch.empty(n, dtype=torch.int32) for n in (127, 8, 1))},
+     r"out\[0\] \(sorted_token_ids\) must have shape \(128,\)"),
+    ((_ids(), 8, 16), {"out": (torch.empty(128, dtype=torch.int32), torch.empty(8), torch.empty(1, dtype=torch.int32))},
+     r"out\[1\] \(expert_ids\) must be one of int32"),
+])
+def test_bad_arguments_raise_value_error(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hipkern.moe_sorting(*args, **kwargs)
+
+
+def test_max_padded_is_sized_from_shapes():
+    assert moe_sorting_max_padded(6, 4, 2) == 10
+    assert moe_sorting_max_padded(8, 256, 64) == 16192
+    assert moe_sorting_max_padded(0, 8, 1) == 0
+
+
+def test_reference_on_a_hand_computed_case():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32)  # pairs 0..5 -> experts 2 0 2 1 0 2
+    s, x, n = moe_sorting_ref(ids, 4, 2)
+    assert s.tolist() == [1, 4, 3, 6, 0, 2, 5, 6, 6, 6]  # expert 0: 1 4 | 1: 3 pad | 2: 0 2 5 pad | tail
+    assert x.tolist() == [0, 1, 2, 2, -1] and n.tolist() == [8]
+    emap = torch.tensor([0, -1, 1, -1], dtype=torch.int32)  # experts 1 and 3 remote; 2 is local 1
+    s, x, n = moe_sorting_ref(ids, 4, 2, emap)
+    assert s.tolist() == [1, 4, 0, 2, 5, 6, 6, 6, 6, 6]
+    assert x.tolist() == [0, 1, 1, -1, -1] and n.tolist() == [6]
+    s, x, n = moe_sorting_ref(torch.empty(0, 2, dtype=torch.int32), 3, 4)
+    assert s.tolist() == [0] * 12 and x.tolist() == [-1] * 3 and n.tolist() == [0]
+
+
+def test_op_is_registered_for_compile_and_graphs():
+    assert hasattr(torch.ops.hipkern, "moe_sorting") and hasattr(torch.ops.hipkern, "moe_sorting_out")
+    schema = str(torch.ops.hipkern.moe_sorting_out.default._schema)
+    assert "Tensor(a!) sorted_token_ids" in schema and "Tensor(c!) num_tokens_post_padded" in schema
+
+
+def test_fake_impl_gives_the_output_shapes_without_a_gpu():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ids = torch.empty(5, 8, device="cuda", dtype=torch.int32)
+        s, x, n = torch.ops.hipkern.moe_sorting(ids, 256, 64, None)
+        assert s.shape == (16192,) and x.shape == (253,) and n.shape == (1,)
+        assert s.dtype == x.dtype == n.dtype == torch.int32
+        with pytest.raises(ValueError, match="block_m must be in"):
+            torch.ops.hipkern.moe_sorting(ids, 256, 0, None)
