@@ -145,6 +145,7 @@ HK_DEVICE void layout(const Args& a, RankSmem& s, int blk, int nblk) {
   }
   int total;
   int off = block_exclusive_sum<kThreads>(sum, s.scan, total);
+  __syncthreads();  // racecheck (H100) paired the scan's reads of s.scan with the s.base writes below
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = threadIdx.x * kPer + i;
