@@ -36,6 +36,31 @@ HK_DEVICE int context_len(const Params& p, int seq) {
   return (int)(len < 0 ? 0 : len > cap ? cap : len);
 }
 
+// What one decode block takes: grid x = (KV head, group of kHeads of its query heads), y = sequence,
+// z = partition. `skip`: an empty partition of a split launch (merge_kernel never reads its partial).
+struct BlockWork {
+  int kvh, seq, part, start, end;
+  int head0, nh;  // first query head of the block, real heads in it (<= kHeads)
+  bool skip;
+};
+
+template <int kHeads>
+HK_DEVICE BlockWork block_work(const Params& p) {
+  BlockWork w;
+  const int hgroups = (p.group + kHeads - 1) / kHeads;
+  const int hg = blockIdx.x % hgroups;
+  w.kvh = blockIdx.x / hgroups;
+  w.seq = blockIdx.y;
+  w.part = blockIdx.z;
+  const int len = context_len(p, w.seq);
+  w.start = w.part * p.partition_size;
+  w.skip = p.num_partitions > 1 && w.start >= len;
+  w.end = min(len, w.start + p.partition_size);
+  w.head0 = w.kvh * p.group + hg * kHeads;
+  w.nh = min(kHeads, p.group - hg * kHeads);
+  return w;
+}
+
 // Row offset (elements) of token t of sequence `seq`'s block-table row `bt`, or -1 when its block id
 // lies outside the cache (the token is then masked, never read).
 HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
@@ -124,12 +149,15 @@ int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int 
   return 0;
 }
 
-// Launch a decode kernel over grid (blocks_x, num_seqs, num_partitions), then the merge if split.
+// Launch a decode kernel of `heads` query heads per block over the grid block_work() reads, then
+// the merge if split.
 template <typename T, int D, typename Kernel>
-int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, unsigned blocks_x, int num_seqs,
-                  int threads, int smem_bytes, int device, hipStream_t stream, const char* name /* "launch of ..." */) {
+int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, int heads, int num_kv_heads,
+                  int num_seqs, int threads, int smem_bytes, int device, hipStream_t stream,
+                  const char* name /* "launch of ..." */) {
   HK_TRY(allow_shared(kernel, raised, smem_bytes, device));
-  const dim3 grid(blocks_x, (unsigned)num_seqs, (unsigned)p.num_partitions);
+  const unsigned hgroups = (unsigned)((p.group + heads - 1) / heads);
+  const dim3 grid((unsigned)num_kv_heads * hgroups, (unsigned)num_seqs, (unsigned)p.num_partitions);
   hipLaunchKernelGGL(kernel, grid, dim3(threads), smem_bytes, stream, p);
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);

@@ -67,17 +67,10 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
   T* v_s = k_s + C::kStages * C::kTile * C::kLd;
   uint8_t* ok_s = pipe + (C::kPipe > C::kMerge ? C::kPipe : C::kMerge);  // [kStages][kTile]
 
-  const int hgroups = (p.group + C::kRows - 1) / C::kRows;
-  const int kvh = blockIdx.x / hgroups;
-  const int hg = blockIdx.x % hgroups;
-  const int seq = blockIdx.y;
-  const int part = blockIdx.z;
-  const int len = context_len(p, seq);
-  const int start = part * p.partition_size;
-  if (p.num_partitions > 1 && start >= len) return;  // merge_kernel never reads this partial
-  const int end = min(len, start + p.partition_size);
-  const int head0 = kvh * p.group + hg * C::kRows;
-  const int nh = min(C::kRows, p.group - hg * C::kRows);
+  const BlockWork work = block_work<C::kRows>(p);
+  if (work.skip) return;
+  const int kvh = work.kvh, seq = work.seq, part = work.part, start = work.start, end = work.end;
+  const int head0 = work.head0, nh = work.nh;
 
   // Query rows: 16-byte copies (in the first pipeline group) where aligned, else element by element.
   const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s + (int64_t)head0 * p.q_stride_h;
@@ -245,9 +238,8 @@ template <typename T, int D, int WM> unsigned long long& raised() {  // devices 
 template <typename T, int D, int WM>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
   typedef Cfg<T, D, WM> C;
-  const unsigned hgroups = (unsigned)((p.group + C::kRows - 1) / C::kRows);
-  return launch_decode<T, D>(&decode_kernel<T, D, WM>, raised<T, D, WM>(), p, (unsigned)num_kv_heads * hgroups,
-                             num_seqs, C::kThreads, C::bytes, device, stream,
+  return launch_decode<T, D>(&decode_kernel<T, D, WM>, raised<T, D, WM>(), p, C::kRows, num_kv_heads, num_seqs,
+                             C::kThreads, C::bytes, device, stream,
                              "launch of paged_attention mma::decode_kernel");
 }
 

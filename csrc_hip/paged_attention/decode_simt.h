@@ -51,17 +51,10 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, min_blocks<D>()) void decode_kernel(Params
   int64_t* off_s = reinterpret_cast<int64_t*>(p_s + S::p);
   T* v_s = reinterpret_cast<T*>(off_s + kWaves * kWaveSize);
 
-  const int hgroups = (p.group + HPB - 1) / HPB;
-  const int kvh = blockIdx.x / hgroups;
-  const int hg = blockIdx.x % hgroups;
-  const int seq = blockIdx.y;
-  const int part = blockIdx.z;
-  const int len = context_len(p, seq);
-  const int start = part * p.partition_size;
-  if (p.num_partitions > 1 && start >= len) return;  // merge_kernel never reads this partial
-  const int end = min(len, start + p.partition_size);
-  const int head0 = kvh * p.group + hg * HPB;
-  const int nh = min(HPB, p.group - hg * HPB);  // real heads in this group
+  const BlockWork work = block_work<HPB>(p);
+  if (work.skip) return;
+  const int kvh = work.kvh, seq = work.seq, part = work.part, start = work.start, end = work.end;
+  const int head0 = work.head0, nh = work.nh;
 
   const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s;
   for (int i = threadIdx.x; i < HPB * D; i += kThreads) {
@@ -183,9 +176,8 @@ template <typename T, int D, int HPB> unsigned long long& raised() {  // devices
 
 template <typename T, int D, int HPB>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
-  const unsigned hgroups = (unsigned)((p.group + HPB - 1) / HPB);
-  return launch_decode<T, D>(&decode_kernel<T, D, HPB>, raised<T, D, HPB>(), p, (unsigned)num_kv_heads * hgroups,
-                             num_seqs, kThreads, Smem<T, D, HPB>::bytes, device, stream,
+  return launch_decode<T, D>(&decode_kernel<T, D, HPB>, raised<T, D, HPB>(), p, HPB, num_kv_heads, num_seqs,
+                             kThreads, Smem<T, D, HPB>::bytes, device, stream,
                              "launch of paged_attention simt::decode_kernel");
 }
 
