@@ -5,8 +5,8 @@ import torch
 
 from .. import jit
 
-__all__ = ["lib", "check_tensor", "check_device", "check_int", "DTYPE_NAMES", "on_device", "raw_stream",
-           "module_for"]
+__all__ = ["lib", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES", "on_device",
+           "raw_stream", "module_for"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -75,3 +75,15 @@ def module_for(family: str, device_index: int, **params) -> jit.Module:
         mod = jit.load(jit.spec(family, **params), jit.current_arch(device_index))
         _modules[key] = mod
     return mod
+
+
+def check_routing_out(out, num_tokens: int, topk: int) -> dict:
+    """Validate a routing op's `out=` pair (fp32 weights, int32 ids, both [num_tokens, topk]); returns
+    {name: tensor} for check_device (empty when out is None)."""
+    if out is None:
+        return {}
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError("out must be a pair (weights, ids)")
+    check_tensor("out[0] (weights)", out[0], dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
+    check_tensor("out[1] (ids)", out[1], dtypes=(torch.int32,), shape=(num_tokens, topk), gpu=False)
+    return {"out[0] (weights)": out[0], "out[1] (ids)": out[1]}

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_out, check_tensor, lib, module_for,
+                      on_device, raw_stream)
 
 __all__ = ["grouped_topk", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
 
@@ -66,16 +67,10 @@ def _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
             or not math.isfinite(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor must be a finite float, got {routed_scaling_factor!r}")
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError("out must be a pair (weights, ids)")
-        check_tensor("out[0] (weights)", out[0], dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
-        check_tensor("out[1] (ids)", out[1], dtypes=(torch.int32,), shape=(num_tokens, topk), gpu=False)
+    outs = check_routing_out(out, num_tokens, topk)
     check_tensor("gating_logits", gating_logits)
     others = {} if correction_bias is None else {"correction_bias": correction_bias}
-    if out is not None:
-        others.update({"out[0] (weights)": out[0], "out[1] (ids)": out[1]})
-    check_device(gating_logits.device, **others)
+    check_device(gating_logits.device, **others, **outs)
 
 
 def _outputs(gating_logits, topk):

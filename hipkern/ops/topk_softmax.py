@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_out, check_tensor, lib, module_for,
+                      on_device, raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -35,14 +36,10 @@ def _validate(gating_logits, topk, renormalize, out=None) -> None:
               f" (at most {MAX_TOPK} and at most the number of experts, {num_experts})")
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError("out must be a pair (weights, ids)")
-        check_tensor("out[0] (weights)", out[0], dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
-        check_tensor("out[1] (ids)", out[1], dtypes=(torch.int32,), shape=(num_tokens, topk), gpu=False)
+    outs = check_routing_out(out, num_tokens, topk)
     check_tensor("gating_logits", gating_logits)
-    if out is not None:
-        check_device(gating_logits.device, **{"out[0] (weights)": out[0], "out[1] (ids)": out[1]})
+    if outs:
+        check_device(gating_logits.device, **outs)
 
 
 def _outputs(gating_logits, topk):
