@@ -110,18 +110,8 @@ def main(out_dir: Path, quick: bool = False) -> int:
 
 def sweep(out_dir: Path, quick: bool = False) -> int:
     """v16 at fixed partition sizes against its own plan (what calibrates _plan_balanced)."""
-    import contextlib
-
-    from hipkern.ops import paged_attention as pa
-
-    @contextlib.contextmanager
-    def forced(params):
-        saved = pa._lookup
-        pa._lookup = lambda *a, **k: ("v16", params)
-        try:
-            yield
-        finally:
-            pa._lookup = saved
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
 
     sizes = [0, 64, 128, 256, 512, 1024, 2048, 4096]  # 0: the plan's own choice
     table = BenchTable(["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize",
@@ -132,7 +122,7 @@ def sweep(out_dir: Path, quick: bool = False) -> int:
         q, k, v, bt, cl = make_inputs([c] * b, hq, hkv, d)
         times = {}
         for s in sizes:
-            with forced({"partition_size": s} if s else {}):
+            with pinned(Candidate.of("v16", **({"partition_size": s} if s else {}))):
                 _, times[s] = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl,
                                            num_iters=10 if quick else 30)
         table.add(BatchSize=b, ContextLen=c, NumQHeads=hq, NumKVHeads=hkv, HeadSize=d,
