@@ -4,6 +4,7 @@
 #pragma once
 
 #include "hipkern/error.h"
+#include "hipkern/launch.h"
 #include "hipkern/online_softmax.h"
 #include "hipkern/reduce.h"
 #include "hipkern/vec.h"
@@ -121,32 +122,6 @@ __global__ __launch_bounds__(D) void merge_kernel(Params p) {
   }
   static_cast<T*>(p.out)[sh * D + d] = from_float<T>(normalise(O, L));
   if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
-}
-
-// Dynamic shared memory above the default 48 KB is checked against the device's limit and opted
-// into, once per kernel and device: `raised` is the kernel's own set of devices done (devices >= 64
-// check every time).
-template <typename Kernel>
-int allow_shared(Kernel kernel, unsigned long long& raised, int smem_bytes, int device) {
-  const unsigned long long bit = device < 64 ? 1ull << device : 0;
-  if (smem_bytes <= 48 * 1024 || (__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit)) return 0;
-  int most = 0;
-  HK_CHECK(hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device));
-  if (smem_bytes > most)
-    return set_invalid("this kernel's shared memory per block exceeds the device's (choose another variant or head "
-                       "size)", __FILE__, __LINE__);
-  HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes));
-  __atomic_fetch_or(&raised, bit, __ATOMIC_RELAXED);
-  return 0;
-}
-
-// How many blocks of `kernel` fit on one SM/CU at once (the planner's slots), into *out.
-template <typename Kernel>
-int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int smem_bytes, int device, int* out) {
-  HK_TRY(allow_shared(kernel, raised, smem_bytes, device));
-  HK_CHECK(hipOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem_bytes));
-  return 0;
 }
 
 // Launch a decode kernel of `heads` query heads per block over the grid block_work() reads, then
