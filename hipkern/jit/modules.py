@@ -83,6 +83,22 @@ MODULE_FAMILIES = {
              ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "ptr")),
         ),
     },
+    "fused_moe": {
+        "params": {"dtype": tuple(DTYPE_CODES), "block_m": (8, 16, 32, 64, 128)},
+        "sources": ("fused_moe/fused_moe.hip",),  # + gemm.h, math.h
+        "valid": lambda dtype, block_m: dtype != "float32" or block_m <= 64,  # fp32 accumulators: 2 x block_m
+        "defines": lambda dtype, block_m: (("HK_DTYPE", DTYPE_CODES[dtype]), ("HK_BLOCK_M", block_m)),
+        "functions": (
+            # device, int64* partial_floats, int64* counter_ints (out)
+            ("hk_fused_moe_workspace", "i32", ("i32", "ptr", "ptr")),
+            # x, w1, w2, topk_weights, topk_ids, expert_map, sorted_ids, expert_ids, num_post, inter, y,
+            # partials, counters, out, num_tokens, topk, num_experts, num_local_experts, dim, inter_dim,
+            # max_padded, activation, device, stream
+            ("hk_fused_moe", "i32",
+             ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",
+              "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "ptr")),
+        ),
+    },
 }
 
 
@@ -93,6 +109,8 @@ def spec(family: str, **params) -> ModuleSpec:
     for k, v in params.items():
         if v not in fam["params"][k]:
             raise ValueError(f"module {family}: {k}={v!r} is not one of {fam['params'][k]}")
+    if not fam.get("valid", lambda **_: True)(**params):
+        raise ValueError(f"module {family} has no instantiation {params}")
     suffix = "".join(f"_{params[k]}" for k in fam["params"])
     return ModuleSpec(name=family + suffix, sources=fam["sources"], defines=fam["defines"](**params),
                       functions=fam["functions"])
@@ -106,5 +124,6 @@ def all_specs() -> list[ModuleSpec]:
         combos = [{}]
         for k in keys:
             combos = [dict(c, **{k: v}) for c in combos for v in fam["params"][k]]
-        out += [spec(family, **c) for c in combos]
+        valid = fam.get("valid", lambda **_: True)
+        out += [spec(family, **c) for c in combos if valid(**c)]
     return out

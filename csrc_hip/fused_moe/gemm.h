@@ -1,0 +1,330 @@
+// The grouped expert GEMM of fused MoE, persistent and load-balanced, used twice per call:
+//   gated (Gated = true):  inter[p][i] = act(w1[e][i] . x[p / k]) * (w1[e][I + i] . x[p / k])
+//   down  (Gated = false): y[p][d]     = topk_weight[p] * (w2[e][d] . inter[p])
+// for every routed (token, slot) pair p = t * k + j, e its (local) expert.
+//
+// Work items. moe_sorting groups the pairs by expert into m-blocks of BM rows (one expert each,
+// valid rows first, then padding). An item is one m-block x one n-tile of M::kRows weight rows over
+// the whole reduction: every item moves the same weight bytes, so items are the unit of balance.
+// The item count is read on the GPU (num_tokens_post_padded / BM m-blocks x n-tiles), so the
+// launch depends on shapes only (CUDA-graph capturable), and a grid of the resident-block count
+// walks the items block-cyclically, m-block fastest: the blocks running at one time share n-tiles,
+// so an expert's m-blocks read its weights from HBM about once when routing piles tokens onto it.
+//
+// Pipeline. A block's items and their kBK-wide reduction stages form one stream of stages, loaded
+// kStages deep with 16-byte asynchronous copies (synchronous, one stage, on CDNA): the next item's
+// weights are in flight while this item finishes, so small items (the down GEMM at I = 256) keep
+// HBM busy. Weight rows past the end, columns past K and invalid experts are zero-filled and never
+// read; padding token rows are not loaded at all (their columns of the product are never stored).
+// After an item's last stage, the k-groups' partial tiles meet in shared memory (summed in a fixed
+// order: deterministic) and the epilogue writes the item's outputs.
+#pragma once
+
+#include "math.h"
+#include "hipkern/launch.h"
+
+namespace hk {
+namespace fused_moe {
+
+enum Activation { kSilu = 0, kGelu = 1 };
+
+struct GemmParams {
+  const void* x;  // gated: hidden [T][K]; down: inter [num_pairs][K]
+  int64_t x_stride;
+  int x_div;      // the row of x of pair p is p / x_div (gated: topk; down: 1)
+  const void* w;  // [num_experts][N_w][K]; N_w = 2N (gated) or N
+  int64_t w_stride_e;
+  int num_experts;  // local experts; an m-block's expert outside [0, num_experts) reads zeros
+  int K, N;         // reduction length; output columns
+  const int32_t* sorted_ids;
+  const int32_t* expert_ids;
+  const int32_t* num_post;
+  int num_pairs, max_mblocks, n_tiles;
+  void* out;  // gated: T [num_pairs][N]; down: float [num_pairs][N]
+  int64_t out_stride;
+  const float* topk_weights;  // down: [num_pairs]
+  int activation;
+  // Split-K (see plan()): partial tiles of up to max_split_items items, and one arrival counter per
+  // split item group, zero on entry and left zero.
+  float* partials;
+  int* counters;
+  int max_split_items;
+};
+
+constexpr int kMaxSplit = 16;
+
+// The work plan, the same in every block: m-blocks in use (read on the GPU), base items (m-block x
+// n-tile), and the K split that best fills the grid: the split S minimising the rounds of work
+// per block, ceil(base * S / G) / S, so that a few large items (one expert, or routing piled onto
+// few experts) still spread over every SM. Item i is (base item i / S, K part i % S).
+struct Plan {
+  int n_mblocks, base, split, kss /* stages per part */, items;
+};
+HK_DEVICE Plan plan(const GemmParams& p, int bm, int ks_total, int grid) {
+  Plan pl;
+  int nm = *p.num_post / bm;
+  pl.n_mblocks = nm < 0 ? 0 : nm > p.max_mblocks ? p.max_mblocks : nm;
+  pl.base = pl.n_mblocks * p.n_tiles;
+  int best = 1, best_rounds = (pl.base + grid - 1) / grid;
+  for (int s = 2; s <= kMaxSplit && s <= ks_total && (int64_t)pl.base * s <= p.max_split_items; ++s) {
+    const int rounds = (int)(((int64_t)pl.base * s + grid - 1) / grid);
+    if ((int64_t)rounds * best < (int64_t)best_rounds * s) {  // rounds / s < best_rounds / best
+      best = s;
+      best_rounds = rounds;
+    }
+  }
+  pl.kss = (ks_total + best - 1) / best;
+  pl.split = (ks_total + pl.kss - 1) / pl.kss;
+  pl.items = pl.base * pl.split;
+  return pl;
+}
+
+HK_DEVICE float activate(float g, int act) {
+  return act == kSilu ? g / (1.f + expf(-g)) : 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+}
+
+template <typename T, typename M, int BM, bool Gated>
+struct GemmCfg {
+  static constexpr int kThreads = M::kWaves * kWaveSize;
+  static constexpr int kStages = !kAsyncCopy ? 1 : M::kStages;
+  static constexpr int kVec = 16 / (int)sizeof(T), kChunks = M::kBK / kVec;  // 16-byte chunks per row
+  static constexpr int kWCopies = (M::kRows * kChunks + kThreads - 1) / kThreads;
+  static constexpr int kXCopies = (M::kToks * kChunks + kThreads - 1) / kThreads;
+  static constexpr int kCols = Gated ? M::kRows / 2 : M::kRows;  // output columns per item
+  // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage
+  static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
+  static constexpr int kX = kStages * M::kToks * M::kLd * (int)sizeof(T);
+  static constexpr int kRed = M::kWK * M::kRows * M::kRedLd * 4;
+  // One synchronous stage has no copies in flight at the epilogue: the partials reuse its buffers.
+  static constexpr bool kAlias = kStages == 1 && kRed <= kW + kX;
+  static constexpr int kRedAt = kAlias ? 0 : kW + kX, kPairsAt = kAlias ? kW + kX : kW + kX + kRed;
+  static constexpr int kFlagAt = kPairsAt + kStages * M::kToks * 4;
+  static constexpr int bytes = kFlagAt + 16;
+  static_assert(M::kToks >= BM, "token rows");
+  static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
+  static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
+  static_assert(M::kRows % 16 == 0 && M::kLd % kVec == 0 && kW % 16 == 0 && kX % 16 == 0, "16-byte rows");
+
+};
+
+// The m-block, n-tile, expert and (per X copy of this thread) pair of an item.
+template <int kXCopies, int kChunks, int kThreads>
+struct Item {
+  int mb, nt, expert;
+  int pair[kXCopies];
+  HK_DEVICE void fetch(const GemmParams& p, const Plan& pl, int item, int bm) {
+    const int b = item / pl.split;
+    mb = b % pl.n_mblocks;
+    nt = b / pl.n_mblocks;
+    expert = p.expert_ids[mb];
+#pragma unroll
+    for (int j = 0; j < kXCopies; ++j) {
+      const int m = (threadIdx.x + j * kThreads) / kChunks;
+      pair[j] = m < bm ? p.sorted_ids[(int64_t)mb * bm + m] : p.num_pairs;
+    }
+  }
+};
+
+template <typename T, typename M, int BM, bool Gated>
+__global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
+  typedef GemmCfg<T, M, BM, Gated> C;
+  constexpr int S = C::kStages, KT = C::kThreads;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* w_s = reinterpret_cast<T*>(smem_raw);                        // [S][kRows][kLd]
+  T* x_s = reinterpret_cast<T*>(smem_raw + C::kW);                // [S][kToks][kLd]
+  float* red = reinterpret_cast<float*>(smem_raw + C::kRedAt);  // [kWK][kRows][kRedLd]
+  int* pair_s = reinterpret_cast<int*>(smem_raw + C::kPairsAt);  // [S][kToks]
+
+  int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);
+
+  const int G = gridDim.x, KS = (p.K + M::kBK - 1) / M::kBK;  // k-stages of a whole item
+  const Plan pl = plan(p, BM, KS, G);
+  if ((int)blockIdx.x >= pl.items) return;
+  const int total = ((pl.items - 1 - (int)blockIdx.x) / G + 1) * pl.kss;  // this block's stages
+
+  // The loader runs kStages - 1 stages ahead; it fetches an item's metadata one item ahead too.
+  typedef Item<C::kXCopies, C::kChunks, KT> It;
+  It cur, nxt;
+  cur.fetch(p, pl, blockIdx.x, BM);
+  if ((int)blockIdx.x + G < pl.items) nxt.fetch(p, pl, blockIdx.x + G, BM);
+  int cur_item = blockIdx.x;
+  const T* w = static_cast<const T*>(p.w);
+  const T* x = static_cast<const T*>(p.x);
+
+  auto load = [&](int g) {  // every thread: its share of stage g's weight and token chunks
+    const int item = (int)blockIdx.x + (g / pl.kss) * G, slot = g % S;
+    const int kc = (item % pl.split) * pl.kss + g % pl.kss;  // k-stage within the whole item
+    if (item != cur_item) {
+      cur = nxt;
+      cur_item = item;
+      if (item + G < pl.items) nxt.fetch(p, pl, item + G, BM);
+    }
+    if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
+    const int k0 = kc * M::kBK;
+    const bool expert_ok = (unsigned)cur.expert < (unsigned)p.num_experts;
+    const T* we = w + (expert_ok ? (int64_t)cur.expert * p.w_stride_e : 0);
+    T* ws = w_s + slot * M::kRows * M::kLd;
+#pragma unroll
+    for (int j = 0; j < C::kWCopies; ++j) {
+      const int i = threadIdx.x + j * KT, r = i / C::kChunks, c = i % C::kChunks;
+      if (C::kWCopies * KT != M::kRows * C::kChunks && r >= M::kRows) break;
+      int row, col;
+      if (Gated) {  // each 16-row tile: 8 gate rows, then the 8 up rows of the same columns
+        col = cur.nt * C::kCols + 8 * (r / 16) + r % 8;
+        row = (r % 16) / 8 * p.N + col;
+      } else {
+        col = cur.nt * C::kCols + r;
+        row = col;
+      }
+      const int k = k0 + c * C::kVec;
+      const bool ok = expert_ok && col < p.N && k < p.K;
+      async_copy16_or_zero(ws + r * M::kLd + c * C::kVec, ok ? we + (int64_t)row * p.K + k : w, ok);
+    }
+    T* xs = x_s + slot * M::kToks * M::kLd;
+#pragma unroll
+    for (int j = 0; j < C::kXCopies; ++j) {
+      const int i = threadIdx.x + j * KT, m = i / C::kChunks, c = i % C::kChunks;
+      if (C::kXCopies * KT != M::kToks * C::kChunks && m >= M::kToks) break;
+      const int pair = cur.pair[j], k = k0 + c * C::kVec;
+      const bool valid = (unsigned)pair < (unsigned)p.num_pairs;
+      if (valid)  // padding rows are left as they are: only their own (never stored) columns see them
+        async_copy16_or_zero(xs + m * M::kLd + c * C::kVec, x + (int64_t)(pair / p.x_div) * p.x_stride + (k < p.K ? k : 0),
+                             k < p.K);
+      if (c == 0) pair_s[slot * M::kToks + m] = valid ? pair : p.num_pairs;
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < total) load(s);
+    async_copy_commit();
+  }
+  typename M::Acc acc;
+  for (int g = 0; g < total; ++g) {
+    if constexpr (S == 1) {
+      __syncthreads();  // every wave is done with the previous stage
+      load(g);
+    } else {
+      async_copy_wait_pending<S - 2>();
+    }
+    __syncthreads();  // stage g is in shared memory; every wave is done with stage g - 1's buffer
+    if constexpr (S > 1) {
+      if (g + S - 1 < total) load(g + S - 1);
+      async_copy_commit();
+    }
+    const int slot = g % S, kp = g % pl.kss, item = (int)blockIdx.x + (g / pl.kss) * G;
+    const int* pairs = pair_s + slot * M::kToks;
+    if (kp == 0) M::zero(acc);
+    if ((item % pl.split) * pl.kss + kp < KS)
+      M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs);
+    if (kp != pl.kss - 1) continue;
+
+    // Epilogue: the waves' partials meet in shared memory (free again two barriers later).
+    if constexpr (C::kAlias) __syncthreads();  // every wave is done reading the stage
+    M::store(acc, red);
+    __syncthreads();
+    const int b = item / pl.split, nt = b / pl.n_mblocks;
+    auto emit = [&](auto value) {  // value(row, token): the item's finished sums
+      for (int idx = threadIdx.x; idx < C::kCols * BM; idx += KT) {
+        const int c = idx % C::kCols, m = idx / C::kCols, pair = pairs[m], col = nt * C::kCols + c;
+        if (pair >= p.num_pairs || col >= p.N) continue;
+        const int r = Gated ? 16 * (c / 8) + c % 8 : c;
+        if (Gated)
+          static_cast<T*>(p.out)[(int64_t)pair * p.out_stride + col] =
+              from_float<T>(activate(value(r, m), p.activation) * value(r + 8, m));
+        else
+          static_cast<float*>(p.out)[(int64_t)pair * p.out_stride + col] = p.topk_weights[pair] * value(r, m);
+      }
+    };
+    auto wave_sum = [&](int r, int m) {
+      float v = 0.f;
+#pragma unroll
+      for (int k = 0; k < M::kWK; ++k) v += red[(k * M::kRows + r) * M::kRedLd + m];
+      return v;
+    };
+    if (pl.split == 1) {
+      emit(wave_sum);
+      continue;
+    }
+    // Split: publish this part's sums; the last part of the group to arrive adds all parts in part
+    // order (deterministic whichever arrives last) and writes the outputs.
+    float* part = p.partials + (int64_t)item * M::kRows * M::kToks;
+    for (int idx = threadIdx.x; idx < M::kRows * BM; idx += KT) {
+      const int r = idx % M::kRows, m = idx / M::kRows;
+      part[m * M::kRows + r] = wave_sum(r, m);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *last_s = atomicAdd(p.counters + b, 1) == pl.split - 1;
+    __syncthreads();
+    if (!*last_s) continue;
+    __threadfence();
+    const volatile float* parts = p.partials + (int64_t)b * pl.split * M::kRows * M::kToks;
+    emit([&](int r, int m) {
+      float v = 0.f;
+      for (int k = 0; k < pl.split; ++k) v += parts[((int64_t)k * M::kToks + m) * M::kRows + r];
+      return v;
+    });
+    if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
+  }
+  async_copy_wait();
+}
+
+template <typename T, typename M, int BM, bool Gated>
+unsigned long long& raised() {  // devices with the shared limit raised
+  static unsigned long long r = 0;
+  return r;
+}
+
+// Split-K items per resident block the partials workspace holds.
+constexpr int kSplitItemsPerSlot = 3;
+
+// Resident blocks of the whole device (the grid), into *grid.
+template <typename T, typename M, int BM, bool Gated>
+int device_slots(int device, int* out) {
+  typedef GemmCfg<T, M, BM, Gated> C;
+  auto kernel = &gemm_kernel<T, M, BM, Gated>;
+  static int slots[64] = {0};  // per device (0: not asked yet)
+  int grid = device < 64 ? __atomic_load_n(&slots[device], __ATOMIC_RELAXED) : 0;
+  if (grid == 0) {
+    int per_sm = 0, sms = 0;
+    HK_TRY(resident_blocks(kernel, raised<T, M, BM, Gated>(), C::kThreads, C::bytes, device, &per_sm));
+    HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
+    if (per_sm < 1) return set_invalid("fused_moe: the GEMM kernel does not fit on this device", __FILE__, __LINE__);
+    grid = per_sm * sms;
+    if (device < 64) __atomic_store_n(&slots[device], grid, __ATOMIC_RELAXED);
+  }
+  *out = grid;
+  return 0;
+}
+
+// Floats of partials and ints of counters a launch of this GEMM may use.
+template <typename T, typename M, int BM, bool Gated>
+int workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
+  int grid = 0;
+  HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
+  *partial_floats = (int64_t)kSplitItemsPerSlot * grid * M::kRows * M::kToks;
+  *counter_ints = (int64_t)kSplitItemsPerSlot * grid;
+  return 0;
+}
+
+// Launch over min(items that can exist, resident blocks on the device).
+template <typename T, typename M, int BM, bool Gated>
+int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
+  typedef GemmCfg<T, M, BM, Gated> C;
+  auto kernel = &gemm_kernel<T, M, BM, Gated>;
+  int grid = 0;
+  HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
+  GemmParams q = p;
+  q.max_split_items = kSplitItemsPerSlot * grid;
+  const int64_t items = (int64_t)p.max_mblocks * p.n_tiles * kMaxSplit;
+  if (items < grid) grid = (int)items;
+  if (grid < 1) return 0;
+  HK_TRY(allow_shared(kernel, raised<T, M, BM, Gated>(), C::bytes, device));
+  hipLaunchKernelGGL(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, q);
+  HK_CHECK_LAUNCH("fused_moe gemm_kernel");
+  return 0;
+}
+
+}  // namespace fused_moe
+}  // namespace hk

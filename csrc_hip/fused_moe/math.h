@@ -1,0 +1,131 @@
+// The tiling and arithmetic of the expert GEMMs (gemm.h), as two policies over one interface:
+//   MmaMath<T, WR, WK, BM, BK, Stages>  fp16/bf16 on matrix cores (MmaTile: mma.sync on NVIDIA, MFMA
+//                                       on CDNA)
+//   SimtMath<RPL, WK, BM, BK, Stages>   fp32 on CUDA cores / VALU (real fp32 FMAs, no TF32)
+//
+// An item is kRows weight rows x kToks token rows; a pipeline stage (kStages deep) holds kBK of the
+// reduction dimension of both in shared memory (row stride kLd elements). The kWaves waves split
+// the rows and/or (kWK groups) the k-slices of a stage:
+//   zero(acc)                              acc = 0
+//   step(acc, w_s, x_s, pairs, num_pairs)  acc[row][tok] += W[row][k] X[tok][k] over this wave's rows
+//                                          and k-slice; token tiles whose first row is padding
+//                                          (pairs[row] >= num_pairs; valid rows are a prefix) are
+//                                          skipped. Columns of invalid tokens may hold anything:
+//                                          they are never stored.
+//   store(acc, red)                        this wave's partial sums into red[wk][row][tok]
+//                                          (row stride kRedLd), summed over wk by the epilogue
+#pragma once
+
+#include "hipkern/mma.h"
+
+namespace hk {
+namespace fused_moe {
+
+constexpr int round_up(int a, int b) { return (a + b - 1) / b * b; }
+
+// Waves: WR row groups x WK k groups. Wave (wr, wk) owns the 16-row tile wr and the k-slice wk of
+// every stage; the WK partial tiles are summed by the epilogue.
+template <typename T, int WR, int WK, int BM, int BK, int Stages>
+struct MmaMath {
+  typedef MmaTile<T> MT;
+  static constexpr int kWaves = WR * WK, kWK = WK, kRows = 16 * WR, kToks = round_up(BM, MT::N);
+  static constexpr int kBK = BK, kLd = kBK + 8, kRedLd = kToks + 1, kStages = Stages;
+  static constexpr int kSlice = kBK / WK, kNT = kToks / MT::N;
+  static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
+  struct Acc { float c[kNT][MT::kC]; };
+
+  static HK_DEVICE int wr() { return (threadIdx.x / kWaveSize) % WR; }
+  static HK_DEVICE int wk() { return (threadIdx.x / kWaveSize) / WR; }
+
+  static HK_DEVICE void zero(Acc& a) {
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) a.c[n][i] = 0.f;
+  }
+
+  static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int* pairs, int num_pairs) {
+    const T* w = w_s + 16 * wr() * kLd + wk() * kSlice;
+    const T* x = x_s + wk() * kSlice;
+#pragma unroll
+    for (int kk = 0; kk < kSlice; kk += MT::K) {
+      typename MT::A a;
+      MT::load_a(a, w + kk, kLd);
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+        if (pairs[n * MT::N] >= num_pairs) break;  // the rest of the block is padding
+        typename MT::B b;
+        MT::load_b_nk(b, x + n * MT::N * kLd + kk, kLd);
+        MT::mma(acc.c[n], a, b);
+      }
+    }
+  }
+
+  static HK_DEVICE void store(const Acc& acc, float* red) {  // red: [WK][kRows][kRedLd]
+    float* r = red + (wk() * kRows + 16 * wr()) * kRedLd;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) r[MT::c_row(i) * kRedLd + n * MT::N + MT::c_col(i)] = acc.c[n][i];
+  }
+};
+
+// fp32: WK waves over the k-slices; lane l owns weight rows l + j * wave size (j < RPL) against every
+// token row: per 4 k, RPL 16-byte weight loads (conflict-free: kLd = 4 mod 32 words) and one
+// broadcast load per token feed 4 RPL FMAs per token.
+template <int RPL, int WK, int BM, int BK, int Stages>
+struct SimtMath {
+  static constexpr int kWaves = WK, kWK = WK, kRows = RPL * kWaveSize, kToks = round_up(BM, 8);
+  static constexpr int kBK = BK, kLd = kBK + 4, kRedLd = kToks + 1, kStages = Stages;
+  static constexpr int kSlice = kBK / WK;
+  static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
+  struct Acc { float c[RPL][kToks]; };
+
+  static HK_DEVICE void zero(Acc& a) {
+#pragma unroll
+    for (int r = 0; r < RPL; ++r)
+#pragma unroll
+      for (int m = 0; m < kToks; ++m) a.c[r][m] = 0.f;
+  }
+
+  static HK_DEVICE void fma4(float& acc, const float4& w, const float4& x) {
+    acc = fmaf(w.x, x.x, acc);
+    acc = fmaf(w.y, x.y, acc);
+    acc = fmaf(w.z, x.z, acc);
+    acc = fmaf(w.w, x.w, acc);
+  }
+
+  static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int* pairs, int num_pairs) {
+    const int k0 = (threadIdx.x / kWaveSize) * kSlice, l = lane_id();
+#pragma unroll 1  // unrolled 16 k at a time: enough to batch the loads, and it keeps compile times sane
+    for (int k1 = 0; k1 < kSlice; k1 += 16)
+#pragma unroll
+    for (int kk = k1; kk < k1 + 16; kk += 4) {
+      float4 w[RPL];
+#pragma unroll
+      for (int r = 0; r < RPL; ++r) w[r] = *reinterpret_cast<const float4*>(w_s + (l + r * kWaveSize) * kLd + k0 + kk);
+#pragma unroll
+      for (int m0 = 0; m0 < kToks; m0 += 8) {
+        if (pairs[m0] >= num_pairs) break;
+#pragma unroll
+        for (int m = m0; m < m0 + 8; ++m) {
+          const float4 x = *reinterpret_cast<const float4*>(x_s + m * kLd + k0 + kk);
+#pragma unroll
+          for (int r = 0; r < RPL; ++r) fma4(acc.c[r][m], w[r], x);
+        }
+      }
+    }
+  }
+
+  static HK_DEVICE void store(const Acc& acc, float* red) {  // red: [WK][kRows][kRedLd]
+    float* rd = red + (threadIdx.x / kWaveSize) * kRows * kRedLd;
+    const int l = lane_id();
+#pragma unroll
+    for (int r = 0; r < RPL; ++r)
+#pragma unroll
+      for (int m = 0; m < kToks; ++m) rd[(l + r * kWaveSize) * kRedLd + m] = acc.c[r][m];
+  }
+};
+
+}  // namespace fused_moe
+}  // namespace hk

@@ -1,0 +1,229 @@
+"""Fused MoE: ``fused_moe(hidden_states, w1, w2, topk_weights, topk_ids) -> [T, D]``, the routed
+experts' gated MLPs weighted and summed per token, in one call (moe_sorting + two grouped GEMMs + a
+deterministic combine; see csrc_hip/fused_moe/)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import moe_sorting as _sorting
+from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
+
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "default_block_m"]
+
+ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
+BLOCK_MS = (8, 16, 32, 64, 128)
+
+lib.define("fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+           "str activation='silu', Tensor? expert_map=None, int block_m=0) -> Tensor")
+lib.define("fused_moe_out(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+           "str activation, Tensor? expert_map, int block_m, Tensor(a!) out) -> ()")
+
+
+def default_block_m(num_tokens: int, topk: int, num_experts: int, dtype=torch.bfloat16) -> int:
+    """Rows per expert block when the caller gives none: the token count rounded up to a power of two
+    in [8, 128] (64 for float32), so that the tokens an expert can receive fit one block however the
+    routing falls: its weights then stream once. Padding costs no arithmetic (the GEMMs skip token
+    tiles past an expert's last pair)."""
+    most = 64 if dtype == torch.float32 else 128
+    bm = 8
+    while bm < num_tokens and bm < most:
+        bm *= 2
+    return bm
+
+
+def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None) -> None:
+    # Device checks last, so that every other argument error shows on any device.
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=tuple(DTYPE_NAMES), gpu=False)
+    dtype = hidden_states.dtype
+    num_tokens, dim = hidden_states.shape
+    check_tensor("w1", w1, ndim=3, dtypes=(dtype,), gpu=False)
+    e_local, two_i, w1_dim = w1.shape
+    if w1_dim != dim or two_i % 2 or two_i == 0:
+        raise ValueError(f"w1 must have shape [E, 2 * inter_dim, {dim}] (gate rows then up rows, model_dim "
+                         f"{dim} from hidden_states), got {tuple(w1.shape)}")
+    inter = two_i // 2
+    check_tensor("w2", w2, dtypes=(dtype,), shape=(e_local, dim, inter), gpu=False)
+    if e_local < 1:
+        raise ValueError("w1 must hold at least one expert")
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), gpu=False)
+    if topk_ids.shape[0] != num_tokens or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must have shape [{num_tokens}, topk >= 1] (one row per token of hidden_states), "
+                         f"got {tuple(topk_ids.shape)}")
+    topk = topk_ids.shape[1]
+    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
+    vec = 16 // hidden_states.element_size()
+    if dim % vec or inter % vec:
+        raise ValueError(f"model_dim ({dim}, hidden_states' columns) and inter_dim ({inter}, half of w1's rows) must "
+                         f"be multiples of {vec} for {DTYPE_NAMES[dtype]} (16-byte rows)")
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if block_m is not None:
+        check_int("block_m", block_m, 8, 128)
+        allowed = BLOCK_MS if dtype != torch.float32 else tuple(b for b in BLOCK_MS if b <= 64)
+        if block_m not in allowed:
+            raise ValueError(f"block_m must be one of {allowed} or None for {DTYPE_NAMES[dtype]}, got {block_m}")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), gpu=False)
+        num_experts = expert_map.shape[0]
+    else:
+        num_experts = e_local
+    if not 1 <= num_experts <= _sorting.MAX_EXPERTS:
+        raise ValueError(f"the number of experts ({num_experts}: expert_map's length, else w1's first dim) must be "
+                         f"in [1, {_sorting.MAX_EXPERTS}]")
+    if num_tokens * topk + num_experts * 128 + 4096 >= 2**30:
+        raise ValueError(f"topk_ids has too many entries ({num_tokens * topk}) for int32 indices")
+    if out is not None:
+        check_tensor("out", out, dtypes=(dtype,), shape=(num_tokens, dim), gpu=False)
+    check_tensor("hidden_states", hidden_states)
+    others = {"w1": w1, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
+    if expert_map is not None:
+        others["expert_map"] = expert_map
+    if out is not None:
+        others["out"] = out
+    check_device(hidden_states.device, **others)
+
+
+def _check_values(topk_ids, num_experts, expert_map, num_local) -> None:
+    """validate=True: ids in [0, E) and expert_map values in [-1, E_local), at the cost of a device sync."""
+    if topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}) (the number of experts), found values in "
+                             f"[{lo}, {hi}]")
+    if expert_map is not None and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        if lo < -1 or hi >= num_local:
+            raise ValueError(f"expert_map values must be -1 (remote) or a local expert index in [0, {num_local}) "
+                             f"(w1's first dim), found values in [{lo}, {hi}]")
+
+
+def _check_aligned(**tensors) -> None:  # not in _validate: fake tensors (torch.compile) have no address
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (a view at an odd offset is not)")
+
+
+_counters: dict = {}
+
+
+def _workspace(mod, dev: int, device: torch.device):
+    """Split-K partials (fresh per call: shape-sized, graph-safe) and arrival counters: zero on entry,
+    left zero by every call, so kept per (device, stream). A call being captured into a CUDA graph
+    gets its own zeroed counters, made inside the graph."""
+    floats, ints = ctypes.c_int64(), ctypes.c_int64()
+    rc = mod.hk_fused_moe_workspace(dev, ctypes.byref(floats), ctypes.byref(ints))
+    if rc:
+        mod.check(rc, "fused_moe workspace")
+    partials = torch.empty((floats.value,), dtype=torch.float32, device=device)
+    key = (dev, raw_stream(dev), ints.value)
+    counters = _counters.get(key)
+    if counters is None:
+        counters = torch.zeros((ints.value,), dtype=torch.int32, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            _counters[key] = counters
+    return partials, counters
+
+
+def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out) -> None:
+    num_tokens, dim = hidden_states.shape
+    topk = topk_ids.shape[1]
+    e_local, inter = w1.shape[0], w1.shape[1] // 2
+    num_experts = e_local if expert_map is None else expert_map.shape[0]
+    dev = hidden_states.get_device()
+    sorted_ids, expert_ids, num_post = _sorting._outputs(topk_ids, num_experts, block_m)
+    _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
+    ws = torch.empty((num_tokens * topk, inter), dtype=hidden_states.dtype, device=hidden_states.device)
+    y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
+    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
+    partials, counters = _workspace(mod, dev, hidden_states.device)
+    emap = None if expert_map is None else expert_map.data_ptr()
+    rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
+                          topk_ids.data_ptr(), emap, sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr(),
+                          ws.data_ptr(), y.data_ptr(), partials.data_ptr(), counters.data_ptr(), out.data_ptr(),
+                          num_tokens, topk, num_experts, e_local, dim, inter, sorted_ids.numel(),
+                          ACTIVATIONS[activation], dev, raw_stream(dev))
+    if rc:
+        mod.check(rc, "fused_moe")
+
+
+def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out) -> None:
+    if hidden_states.shape[0] == 0:
+        return
+    _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
+    if not block_m:
+        num_experts = w1.shape[0] if expert_map is None else expert_map.shape[0]
+        block_m = default_block_m(hidden_states.shape[0], topk_ids.shape[1], num_experts, hidden_states.dtype)
+    on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              expert_map, block_m, out)
+
+
+def _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0):
+    out = torch.empty_like(hidden_states)
+    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out)
+    return out
+
+
+lib.impl("fused_moe", _gpu_impl, "CUDA")
+lib.impl("fused_moe_out", _launch, "CUDA")
+
+
+@torch.library.register_fake("hipkern::fused_moe")
+def _fake(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0):
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None)
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("hipkern::fused_moe_out")
+def _fake_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out):
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None, out)
+
+
+def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, activation: str = "silu", expert_map: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, allow_tf32: bool = False, validate: bool = False,
+              block_m: int | None = None) -> torch.Tensor:
+    """The routed experts' gated MLPs, weighted and summed per token:
+    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t))``,
+    ``e = topk_ids[t, j]`` (through expert_map when given).
+
+    Args:
+        hidden_states: [T, D] float32, bfloat16 or float16, contiguous on the GPU (T may be 0).
+        w1: [E, 2 * I, D], the gate rows then the up rows of each expert; same dtype.
+        w2: [E, D, I]; same dtype. D and I must be multiples of 8 (16-bit) or 4 (float32).
+        topk_weights: float32 [T, k]. topk_ids: int32 [T, k], ids in [0, E) (E: expert_map's length
+            when given). Ids outside it are dropped without validate (undefined but in-bounds).
+        activation: "silu" or "gelu" (exact erf form).
+        expert_map: optional int32 [E_global] for expert parallelism: each expert's index into w1/w2
+            (whose first dim is then the local expert count), or -1 for experts on other GPUs, whose
+            pairs contribute nothing here.
+        out: optional [T, D] tensor of the input dtype, written in place (every element) and returned.
+        allow_tf32: permission to use TF32 for float32 inputs; the kernels compute in real fp32
+            either way (no TF32 path yet).
+        validate: check the ids and expert_map values first (syncs with the device).
+        block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128), default from default_block_m.
+
+    Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
+    before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),
+    and nothing syncs with the host (CUDA-graph capturable) unless validate=True.
+    """
+    for name, v in (("allow_tf32", allow_tf32), ("validate", validate)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {type(v).__name__}")
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out)
+    if validate:
+        num_experts = w1.shape[0] if expert_map is None else expert_map.shape[0]
+        _check_values(topk_ids, num_experts, expert_map, w1.shape[0])
+    bm = block_m or 0
+    if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
+        if out is None:
+            return torch.ops.hipkern.fused_moe.default(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                                       expert_map, bm)
+        torch.ops.hipkern.fused_moe_out.default(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                                expert_map, bm, out)
+        return out
+    if out is None:
+        return _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, bm)
+    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, bm, out)
+    return out
