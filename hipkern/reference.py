@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["topk_softmax_ref", "paged_attention_ref", "grouped_topk_scores_ref", "grouped_topk_ref",
-           "moe_sorting_ref"]
+           "moe_sorting_ref", "fused_moe_ref"]
 
 
 def topk_softmax_ref(gating_logits: torch.Tensor, topk: int, renormalize: bool = True):
@@ -101,3 +101,52 @@ def moe_sorting_ref(topk_ids, num_experts, block_m, expert_map=None):
         pos += rows
     dev = topk_ids.device
     return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)
+
+
+def _moe_activation(name: str):
+    import torch.nn.functional as F
+
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu  # exact (erf) gelu, torch's default
+    raise ValueError(f"activation must be 'silu' or 'gelu', got {name!r}")
+
+
+def fused_moe_ref(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None,
+                  compute_dtype=torch.float64, intermediate_dtype=None):
+    """Per-expert torch loop over the experts that received tokens: out[t] = sum_j topk_weights[t, j] *
+    w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t)), e = topk_ids[t, j] (mapped through expert_map,
+    whose -1 entries mark remote experts: their pairs contribute nothing).
+
+    hidden_states [T, D]; w1 [E_local, 2I, D] (gate rows, then up rows); w2 [E_local, D, I];
+    topk_weights [T, k]; topk_ids [T, k] indexing E_global (expert_map's length, else E_local).
+    Both products in `compute_dtype`; `intermediate_dtype` (when given) rounds act(gate) * up to it
+    and back before the second product, as a bf16/fp16 kernel does. Duplicate ids in a row each add
+    their own term. Returns [T, D] in compute_dtype (float64: the tests' reference; the input dtype:
+    the benchmark's naive loop). Syncs with the device (one .tolist() and one nonzero per expert).
+    """
+    act = _moe_activation(activation)
+    num_tokens, model_dim = hidden_states.shape
+    inter_dim = w1.shape[1] // 2
+    k = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    out = torch.zeros(num_tokens, model_dim, dtype=compute_dtype, device=hidden_states.device)
+    if num_tokens == 0 or k == 0:
+        return out
+    local = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        local = expert_map.to(local.device).long()[local]
+    weights = topk_weights.reshape(-1)
+    for e in torch.unique(local).tolist():
+        if e < 0:  # remote expert
+            continue
+        pairs = (local == e).nonzero().flatten()  # pair p = t * k + j
+        tokens = pairs // k
+        x = hidden_states[tokens].to(compute_dtype)
+        gate_up = x @ w1[e].to(compute_dtype).t()
+        h = act(gate_up[:, :inter_dim]) * gate_up[:, inter_dim:]
+        if intermediate_dtype is not None:
+            h = h.to(intermediate_dtype).to(compute_dtype)
+        y = h @ w2[e].to(compute_dtype).t()
+        out.index_add_(0, tokens, y * weights[pairs].to(compute_dtype)[:, None])
+    return out
