@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
-from . import paged_attention, topk_softmax
+from . import moe, paged_attention, topk_softmax
 
-BENCHES = {"paged_attention": paged_attention.main, "topk_softmax": topk_softmax.main}
+BENCHES = {"moe": moe.main, "paged_attention": paged_attention.main, "topk_softmax": topk_softmax.main}
 EXTRA = {"paged_attention_sweep": paged_attention.sweep}  # not part of "all"
 
 
@@ -15,7 +16,13 @@ def main(argv=None) -> int:
     ap.add_argument("which", nargs="*", default=["all"], help=f"all, or some of {sorted(BENCHES)}")
     ap.add_argument("--out", default="bench_results", help="directory for the CSV files")
     ap.add_argument("--quick", action="store_true", help="fewer timing iterations (smoke run)")
+    ap.add_argument("--cases", default=None,
+                    help="moe: comma-separated test numbers, ranges (3-7) or names (ref, mixtral, uniform, skewed)")
+    ap.add_argument("--dtype", default=None, choices=sorted(moe.DTYPE_ALIASES), help="moe: one dtype only")
+    ap.add_argument("--block-m", type=int, default=None, choices=(8, 16, 32, 64, 128),
+                    help="moe: pin fused_moe's block_m (default: its automatic choice; 128: 16-bit types)")
     args = ap.parse_args(argv)
+    options = {"cases": args.cases, "dtype": args.dtype, "block_m": args.block_m}
     names = sorted(BENCHES) if "all" in args.which else args.which
     unknown = [n for n in names if n not in BENCHES and n not in EXTRA]
     if unknown:
@@ -27,7 +34,10 @@ def main(argv=None) -> int:
         return 2
     failures = 0
     for n in names:
-        failures += {**BENCHES, **EXTRA}[n](Path(args.out), quick=args.quick)
+        fn = {**BENCHES, **EXTRA}[n]
+        accepted = inspect.signature(fn).parameters  # per-bench options go to the benches that take them
+        failures += fn(Path(args.out), quick=args.quick,
+                       **{k: v for k, v in options.items() if k in accepted and v is not None})
     return 1 if failures else 0
 
 
