@@ -146,28 +146,19 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
   typedef Item<C::kXCopies, C::kChunks, KT> It;
   It cur, nxt;
   cur.fetch(p, pl, blockIdx.x, BM);
-  if ((int)blockIdx.x + G < pl.items) nxt.fetch(p, pl, blockIdx.x + G, BM);
-  int cur_item = blockIdx.x;
+  int cur_item = -1;
   const T* w = static_cast<const T*>(p.w);
   const T* x = static_cast<const T*>(p.x);
-
-  auto load = [&](int g) {  // every thread: its share of stage g's weight and token chunks
-    const int item = (int)blockIdx.x + (g / pl.kss) * G, slot = g % S;
-    const int kc = (item % pl.split) * pl.kss + g % pl.kss;  // k-stage within the whole item
-    if (item != cur_item) {
-      cur = nxt;
-      cur_item = item;
-      if (item + G < pl.items) nxt.fetch(p, pl, item + G, BM);
-    }
-    if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
-    const int k0 = kc * M::kBK;
+  // This thread's copy sources for the current item (row starts; null: the row is not loaded), set
+  // once per item so that a stage's copies cost an add and a compare each.
+  const T* wsrc[C::kWCopies];
+  const T* xsrc[C::kXCopies];
+  auto bind = [&]() {
     const bool expert_ok = (unsigned)cur.expert < (unsigned)p.num_experts;
     const T* we = w + (expert_ok ? (int64_t)cur.expert * p.w_stride_e : 0);
-    T* ws = w_s + slot * M::kRows * M::kLd;
 #pragma unroll
     for (int j = 0; j < C::kWCopies; ++j) {
-      const int i = threadIdx.x + j * KT, r = i / C::kChunks, c = i % C::kChunks;
-      if (C::kWCopies * KT != M::kRows * C::kChunks && r >= M::kRows) break;
+      const int r = (threadIdx.x + j * KT) / C::kChunks;
       int row, col;
       if (Gated) {  // each 16-row tile: 8 gate rows, then the 8 up rows of the same columns
         col = cur.nt * C::kCols + 8 * (r / 16) + r % 8;
@@ -176,21 +167,44 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
         col = cur.nt * C::kCols + r;
         row = col;
       }
+      wsrc[j] = expert_ok && col < p.N && r < M::kRows ? we + (int64_t)row * p.K : nullptr;
+    }
+#pragma unroll
+    for (int j = 0; j < C::kXCopies; ++j) {
+      const int pair = cur.pair[j];
+      xsrc[j] = (unsigned)pair < (unsigned)p.num_pairs ? x + (int64_t)(pair / p.x_div) * p.x_stride : nullptr;
+    }
+  };
+
+  auto load = [&](int g) {  // every thread: its share of stage g's weight and token chunks
+    const int item = (int)blockIdx.x + (g / pl.kss) * G, slot = g % S;
+    const int kc = (item % pl.split) * pl.kss + g % pl.kss;  // k-stage within the whole item
+    if (item != cur_item) {
+      if (cur_item >= 0) cur = nxt;
+      cur_item = item;
+      if (item + G < pl.items) nxt.fetch(p, pl, item + G, BM);
+      bind();
+    }
+    if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
+    const int k0 = kc * M::kBK;
+    T* ws = w_s + slot * M::kRows * M::kLd;
+#pragma unroll
+    for (int j = 0; j < C::kWCopies; ++j) {
+      const int i = threadIdx.x + j * KT, r = i / C::kChunks, c = i % C::kChunks;
+      if (C::kWCopies * KT != M::kRows * C::kChunks && r >= M::kRows) break;
       const int k = k0 + c * C::kVec;
-      const bool ok = expert_ok && col < p.N && k < p.K;
-      async_copy16_or_zero(ws + r * M::kLd + c * C::kVec, ok ? we + (int64_t)row * p.K + k : w, ok);
+      const bool ok = wsrc[j] != nullptr && k < p.K;  // else zeros: an invalid expert contributes 0
+      async_copy16_or_zero(ws + r * M::kLd + c * C::kVec, ok ? wsrc[j] + k : w, ok);
     }
     T* xs = x_s + slot * M::kToks * M::kLd;
 #pragma unroll
     for (int j = 0; j < C::kXCopies; ++j) {
       const int i = threadIdx.x + j * KT, m = i / C::kChunks, c = i % C::kChunks;
       if (C::kXCopies * KT != M::kToks * C::kChunks && m >= M::kToks) break;
-      const int pair = cur.pair[j], k = k0 + c * C::kVec;
-      const bool valid = (unsigned)pair < (unsigned)p.num_pairs;
-      if (valid)  // padding rows are left as they are: only their own (never stored) columns see them
-        async_copy16_or_zero(xs + m * M::kLd + c * C::kVec, x + (int64_t)(pair / p.x_div) * p.x_stride + (k < p.K ? k : 0),
-                             k < p.K);
-      if (c == 0) pair_s[slot * M::kToks + m] = valid ? pair : p.num_pairs;
+      const int k = k0 + c * C::kVec;
+      if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
+        async_copy16_or_zero(xs + m * M::kLd + c * C::kVec, xsrc[j] + (k < p.K ? k : 0), k < p.K);
+      if (c == 0) pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
     }
   };
 

@@ -47,13 +47,16 @@ struct MmaMath {
   static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int* pairs, int num_pairs) {
     const T* w = w_s + 16 * wr() * kLd + wk() * kSlice;
     const T* x = x_s + wk() * kSlice;
+    bool on[kNT];  // token tiles with a pair (the rest of the block is padding)
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) on[n] = pairs[n * MT::N] < num_pairs;
 #pragma unroll
     for (int kk = 0; kk < kSlice; kk += MT::K) {
       typename MT::A a;
       MT::load_a(a, w + kk, kLd);
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
-        if (pairs[n * MT::N] >= num_pairs) break;  // the rest of the block is padding
+        if (!on[n]) break;
         typename MT::B b;
         MT::load_b_nk(b, x + n * MT::N * kLd + kk, kLd);
         MT::mma(acc.c[n], a, b);
@@ -97,6 +100,9 @@ struct SimtMath {
 
   static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int* pairs, int num_pairs) {
     const int k0 = (threadIdx.x / kWaveSize) * kSlice, l = lane_id();
+    bool on[kToks / 8];  // 8-token groups with a pair (the rest of the block is padding)
+#pragma unroll
+    for (int g = 0; g < kToks / 8; ++g) on[g] = pairs[8 * g] < num_pairs;
 #pragma unroll 1  // unrolled 16 k at a time: enough to batch the loads, and it keeps compile times sane
     for (int k1 = 0; k1 < kSlice; k1 += 16)
 #pragma unroll
@@ -106,7 +112,7 @@ struct SimtMath {
       for (int r = 0; r < RPL; ++r) w[r] = *reinterpret_cast<const float4*>(w_s + (l + r * kWaveSize) * kLd + k0 + kk);
 #pragma unroll
       for (int m0 = 0; m0 < kToks; m0 += 8) {
-        if (pairs[m0] >= num_pairs) break;
+        if (!on[m0 / 8]) break;
 #pragma unroll
         for (int m = m0; m < m0 + 8; ++m) {
           const float4 x = *reinterpret_cast<const float4*>(x_s + m * kLd + k0 + kk);
