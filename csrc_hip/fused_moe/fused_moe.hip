@@ -51,7 +51,7 @@ template <> struct Tiles<float, 16> {
   typedef SimtMath<kSimtRPL, kSimtWK, 16, 128, 4> Down;
 };
 template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64, 3> Gate, Down; };
-template <> struct Tiles<float, 64> { typedef SimtMath<kSimtRPL, kSimtWK, 64, 64, 3> Gate, Down; };
+template <> struct Tiles<float, 64> { typedef SimtMath<1, kSimtWK, 64, 64, 3> Gate, Down; };  // 2 rows: spills
 typedef typename Tiles<T, BM>::Gate M1;
 typedef typename Tiles<T, BM>::Down M2;
 
