@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import hipkern.ops.paged_attention as pa
+import hipkern  # noqa: F401  (registers every op's schema)
 from hipkern import tuning_db
+from hipkern.tune import core
 
 RESULTS = Path(__file__).resolve().parents[1] / "tuning" / "results"
 SHIPPED = sorted(p for p in RESULTS.glob("*/*.csv") if not p.name.endswith(".candidates.csv"))
@@ -23,35 +24,41 @@ def test_something_is_shipped():
     assert (RESULTS / "sm_90" / "paged_attention.csv") in SHIPPED
 
 
+def _shape(schema, r) -> dict:
+    return {k: (int(r[k]) if r[k].isdigit() else r[k]) for k in schema.exact_keys + schema.bucket_keys}
+
+
+def _params(schema, r) -> dict:
+    return {k: int(r[k]) for k in schema.param_keys if r.get(k)}
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_lookup_resolves_every_row_to_itself(path, monkeypatch):
     monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
     tuning_db.reset()
+    schema = tuning_db._schemas[path.stem]
     rows = _rows(path)
     assert rows
-    keys = [k for k in rows[0] if k not in tuning_db.COMMON and k not in ("partition_size",)]
     for r in rows:
-        shape = {k: (int(r[k]) if r[k].isdigit() else r[k]) for k in keys}
-        c = tuning_db.lookup(path.stem, r["arch"], int(r["cu_count"]), **shape)
+        c = tuning_db.lookup(path.stem, r["arch"], int(r["cu_count"]), **_shape(schema, r))
         assert c is not None and c.source == "exact", (r, c)
-        want = {"partition_size": int(r["partition_size"])} if r.get("partition_size") else {}
-        assert (c.variant, c.params) == (r["variant"], want), r
+        assert (c.variant, c.params) == (r["variant"], _params(schema, r)), r
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_each_row_is_the_best_measured_candidate_and_beats_the_default(path):
-    log = path.with_name(path.stem + ".candidates.csv")
+    schema = tuning_db._schemas[path.stem]
+    adapter = core.load_adapter(path.stem)
+    keys = schema.exact_keys + schema.bucket_keys
     measured = defaultdict(list)
-    key_cols = None
-    for r in _rows(log):
-        key_cols = key_cols or [k for k in r if k not in tuning_db.COMMON + ("partition_size", "status", "note")]
+    for r in _rows(path.with_name(path.stem + ".candidates.csv")):
         if r["status"] == "ok":
-            measured[tuple(r[k] for k in key_cols)].append(r)
+            measured[tuple(r[k] for k in keys)].append(r)
     for r in _rows(path):
-        cands = measured[tuple(r[k] for k in key_cols)]
+        cands = measured[tuple(r[k] for k in keys)]
         assert cands, r
-        best = min(float(c["us"]) for c in cands)
-        assert float(r["us"]) == best, r
-        default = pa.heuristic_variant(int(r["head_size"]), r["arch"])
-        default_us = [float(c["us"]) for c in cands if c["variant"] == default and not c["partition_size"]]
+        assert float(r["us"]) == min(float(c["us"]) for c in cands), r
+        default = adapter.heuristic(adapter.parse_shape(r))  # what the op runs untuned
+        default_us = [float(c["us"]) for c in cands
+                      if c["variant"] == default.variant and _params(schema, c) == default.kwargs]
         assert default_us and float(r["us"]) <= min(default_us), r

@@ -7,13 +7,29 @@ import ctypes
 
 import torch
 
+import functools
+
+from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
-__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "default_block_m"]
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "VARIANT", "block_ms_for", "choose_block_m", "default_block_m"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
+VARIANT = "grouped"  # the one kernel family; the tuning database picks its block_m per shape
+
+# Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
+# expert count (expert_map's length when given).
+tuning_db.register(tuning_db.Schema(
+    op="fused_moe", exact_keys=("dtype", "model_dim", "inter_dim", "num_experts", "topk"),
+    bucket_keys=("tokens",), param_keys=("block_m",), variants=frozenset({VARIANT}),
+    param_ranges={"block_m": (min(BLOCK_MS), max(BLOCK_MS))}))
+
+
+def block_ms_for(dtype) -> tuple:
+    """The block_m values of a dtype (float32 keeps its accumulators in registers up to 64)."""
+    return BLOCK_MS if dtype != torch.float32 else tuple(b for b in BLOCK_MS if b <= 64)
 
 lib.define("fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
            "str activation='silu', Tensor? expert_map=None, int block_m=0) -> Tensor")
@@ -34,6 +50,22 @@ def default_block_m(num_tokens: int, topk: int, num_experts: int, dtype=torch.bf
     while bm < want and bm < 64:
         bm *= 2
     return bm
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
+                   topk: int, dtype) -> int:
+    """block_m for block_m=None: the tuning database's row for this shape (exact, else nearest by the
+    token bucket), else default_block_m."""
+    choice = tuning_db.lookup("fused_moe", arch, cu_count, dtype=DTYPE_NAMES[dtype], model_dim=dim,
+                              inter_dim=inter_dim, num_experts=num_experts, topk=topk,
+                              tokens=tuning_db.bucket(num_tokens))
+    bm = choice.params.get("block_m") if choice else None
+    return bm if bm in block_ms_for(dtype) else default_block_m(num_tokens, topk, num_experts, dtype)
 
 
 def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None) -> None:
@@ -64,7 +96,7 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if block_m is not None:
         check_int("block_m", block_m, 8, 128)
-        allowed = BLOCK_MS if dtype != torch.float32 else tuple(b for b in BLOCK_MS if b <= 64)
+        allowed = block_ms_for(dtype)
         if block_m not in allowed:
             raise ValueError(f"block_m must be one of {allowed} or None for {DTYPE_NAMES[dtype]}, got {block_m}")
     if expert_map is not None:
@@ -156,8 +188,10 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
         return
     _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
     if not block_m:
+        dev = hidden_states.get_device()
         num_experts = w1.shape[0] if expert_map is None else expert_map.shape[0]
-        block_m = default_block_m(hidden_states.shape[0], topk_ids.shape[1], num_experts, hidden_states.dtype)
+        block_m = choose_block_m(jit.current_arch(dev), _sm_count(dev), hidden_states.shape[0], hidden_states.shape[1],
+                                 w2.shape[2], num_experts, topk_ids.shape[1], hidden_states.dtype)
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               expert_map, block_m, out)
 
@@ -205,7 +239,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         allow_tf32: permission to use TF32 for float32 inputs; the kernels compute in real fp32
             either way (no TF32 path yet).
         validate: check the ids and expert_map values first (syncs with the device).
-        block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128), default from default_block_m.
+        block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
+            the tuning database's choice for this shape (choose_block_m), else default_block_m.
 
     Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
     before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),

@@ -38,7 +38,7 @@ import torch
 
 from ..testing import checkAllclose, poison, run_perftest
 
-ADAPTERS = {"paged_attention": "hipkern.tune.paged_attention:ADAPTER"}
+ADAPTERS = {"paged_attention": "hipkern.tune.paged_attention:ADAPTER", "fused_moe": "hipkern.tune.fused_moe:ADAPTER"}
 STATUS_COLUMNS = ("status", "note")
 CHECKPOINT_S = 30.0  # save finished rows at least this often
 _now = time.monotonic  # tests replace it
@@ -90,6 +90,22 @@ def load_adapter(spec: str):
     module, _, attr = path.partition(":")
     obj = getattr(importlib.import_module(module), attr)
     return obj() if isinstance(obj, type) else obj
+
+
+def arch_info(arch: str, cu_count: int) -> dict:
+    """An adapter's info_for: the facts of a GPU that candidates depend on, without one."""
+    from .. import jit
+    return {"arch": arch, "cu_count": int(cu_count), "wave": jit.wave_size_of(arch)}
+
+
+def gpu_info(device) -> dict:
+    """An adapter's device_info: arch_info of GPU `device`, plus its memory."""
+    from .. import jit
+    if not torch.cuda.is_available():
+        raise ValueError("no GPU is visible to torch: tuning needs one (--dry-run --arch A --cu-count N plans "
+                         "without)")
+    props = torch.cuda.get_device_properties(device)
+    return {**arch_info(jit.current_arch(device), props.multi_processor_count), "memory": props.total_memory}
 
 
 def checkout_dir() -> Path:

@@ -22,10 +22,10 @@ import math
 
 import torch
 
-from .. import jit, tuning_db
+from .. import tuning_db
 from ..ops import paged_attention as pa
 from ..reference import paged_attention_ref
-from .core import Candidate, Pruned, dedupe, perftest_us
+from .core import Candidate, Pruned, arch_info, dedupe, gpu_info, perftest_us
 
 PARAM_GRID = {
     "v3": {"partition_size": [256, 1024, 2048, 4096, 8192, 16384, 65536]},
@@ -101,16 +101,8 @@ class PagedAttentionTuner:
         return (s["dtype"], s["block_size"], s["num_kv_heads"], s["head_size"], s["kv_layout"],
                 -s["batch"] * s["context"], s["num_q_heads"])
 
-    def device_info(self, device) -> dict:
-        if not torch.cuda.is_available():
-            raise ValueError("no GPU is visible to torch: tuning needs one (--dry-run --arch A --cu-count N plans "
-                             "without)")
-        props = torch.cuda.get_device_properties(device)
-        return {**self.info_for(jit.current_arch(device), props.multi_processor_count),
-                "memory": props.total_memory}
-
-    def info_for(self, arch, cu_count) -> dict:
-        return {"arch": arch, "cu_count": int(cu_count), "wave": jit.wave_size_of(arch)}
+    device_info = staticmethod(gpu_info)
+    info_for = staticmethod(arch_info)
 
     def heuristic(self, s) -> Candidate:
         return Candidate(pa.HEURISTIC_VARIANT)

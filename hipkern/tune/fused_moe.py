@@ -1,0 +1,167 @@
+"""The tuner's adapter for fused_moe (hipkern/ops/fused_moe.py): block_m per shape.
+
+Candidates: every block_m the dtype offers (block_ms_for), the heuristic default (default_block_m)
+first. Inputs: one set of expert weights per (dtype, model_dim, inter_dim, num_experts), reused by
+that group's token counts (largest first); uniform routing (distinct random experts per token, as a
+router gives), random positive weights normalised per row. The weights are no argument of the timed
+call, so run_perftest flushes L2 before each call: every call streams its activated experts from
+memory, as in a model. Bytes: the distinct activated experts' w1 + w2, plus hidden in and out.
+Checked: the first CHECK_TOKENS tokens against the float64 reference, at the tests' tolerances.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import tuning_db
+from ..ops.fused_moe import VARIANT, block_ms_for, default_block_m, fused_moe
+from ..ops.moe_sorting import MAX_EXPERTS
+from ..reference import fused_moe_ref
+from .core import Candidate, Pruned, arch_info, gpu_info, perftest_us
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOL = {"float32": dict(atol=1e-5, rtol=1e-3), "bfloat16": dict(atol=1e-2, rtol=1e-2),
+       "float16": dict(atol=2e-3, rtol=2e-3)}  # tests/test_fused_moe.py
+CHECK_TOKENS = 16
+# Timing budget (as in the paged-attention adapter): a candidate's timed pass aims at TIMING_US.
+TIMING_US, MIN_ITERS, MAX_ITERS = 8000.0, 3, 50
+HOST_US, FLUSH_US, SLEEP, EST_BYTES_PER_US = 150.0, 40.0, 2.2, 2.0e6
+SHAPE_OVERHEAD_S = 0.05
+
+
+class FusedMoeTuner:
+    op = "fused_moe"
+    device_info = staticmethod(gpu_info)
+    info_for = staticmethod(arch_info)
+
+    def __init__(self):
+        self._weights = None  # (group, w1, w2): the last weights made, reused by their group
+
+    @property
+    def schema(self):
+        return tuning_db._schemas[self.op]
+
+    def parse_shape(self, raw) -> dict:
+        s = {"dtype": str(raw["dtype"]).strip()}
+        if s["dtype"] not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {s['dtype']!r}")
+        for k in ("model_dim", "inter_dim", "num_experts", "topk", "tokens"):
+            v = str(raw[k]).strip()
+            if not v.isdigit() or int(v) < 1:
+                raise ValueError(f"{k} must be a positive integer, got {raw[k]!r}")
+            s[k] = int(v)
+        vec = 16 // DTYPES[s["dtype"]].itemsize
+        if s["model_dim"] % vec or s["inter_dim"] % vec:
+            raise ValueError(f"model_dim and inter_dim must be multiples of {vec} for {s['dtype']}")
+        if s["num_experts"] > MAX_EXPERTS or s["topk"] > s["num_experts"]:
+            raise ValueError(f"num_experts must be at most {MAX_EXPERTS} and topk at most num_experts, "
+                             f"got {s['num_experts']} and {s['topk']}")
+        return s
+
+    def describe(self, s) -> str:
+        return f"{s['dtype']} D{s['model_dim']} I{s['inter_dim']} E{s['num_experts']} top{s['topk']} T{s['tokens']}"
+
+    def order(self, s) -> tuple:  # weights are per group; largest first
+        return (s["dtype"], s["model_dim"], s["inter_dim"], s["num_experts"], s["topk"], -s["tokens"])
+
+    def heuristic(self, s) -> Candidate:
+        return Candidate.of(VARIANT, block_m=default_block_m(s["tokens"], s["topk"], s["num_experts"],
+                                                                    DTYPES[s["dtype"]]))
+
+    def candidates(self, s, info) -> Pruned:
+        first = self.heuristic(s)
+        rest = [Candidate.of(VARIANT, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])]
+        return Pruned([first] + [c for c in rest if c != first])
+
+    @staticmethod
+    def active_experts(s) -> float:
+        """Expected distinct experts under uniform routing (for estimates)."""
+        e, picks = s["num_experts"], s["tokens"] * s["topk"]
+        return e * (1 - (1 - 1 / e) ** picks)
+
+    def estimate_kernel_us(self, s) -> float:
+        el = DTYPES[s["dtype"]].itemsize
+        return max(20.0, self.active_experts(s) * 3 * s["model_dim"] * s["inter_dim"] * el / EST_BYTES_PER_US)
+
+    @staticmethod
+    def iterations(kernel_us: float) -> tuple:
+        per_call = max(kernel_us + FLUSH_US, HOST_US)
+        return int(min(MAX_ITERS, max(MIN_ITERS, round(TIMING_US / per_call)))), (1 if kernel_us > 1000 else 3)
+
+    def estimate_s(self, s, cands, info) -> float:
+        t = self.estimate_kernel_us(s)
+        iters, warmup = self.iterations(t)
+        per_cand = (1 + warmup) * t + (2 + SLEEP) * iters * max(t + FLUSH_US, HOST_US)
+        return SHAPE_OVERHEAD_S + len(cands) * per_cand / 1e6
+
+    def _expert_weights(self, s, device):
+        group = (s["dtype"], s["model_dim"], s["inter_dim"], s["num_experts"], device)
+        if self._weights is not None and self._weights[0] == group:
+            return self._weights[1], self._weights[2]
+        self._weights = None
+        torch.cuda.empty_cache()
+        dtype, e, d, i = DTYPES[s["dtype"]], s["num_experts"], s["model_dim"], s["inter_dim"]
+        g = torch.Generator(device=f"cuda:{device}").manual_seed(1)
+        w1 = torch.randn((e, 2 * i, d), generator=g, device=f"cuda:{device}", dtype=dtype).mul_(d ** -0.5)
+        w2 = torch.randn((e, d, i), generator=g, device=f"cuda:{device}", dtype=dtype).mul_(i ** -0.5)
+        self._weights = (group, w1, w2)
+        return w1, w2
+
+    def prepare(self, s, info, device) -> "_Bench":
+        w1, w2 = self._expert_weights(s, device)
+        return _Bench(s, w1, w2, device, self.estimate_kernel_us(s))
+
+
+class _Bench:
+    """One shape's tokens and routing on the GPU, the reference of its first tokens, timing."""
+
+    def __init__(self, s, w1, w2, device, kernel_us):
+        dev, dtype = f"cuda:{device}", DTYPES[s["dtype"]]
+        t, e, k = s["tokens"], s["num_experts"], s["topk"]
+        g = torch.Generator(device=dev).manual_seed(t * 1_000_003 + e)
+        self.w1, self.w2 = w1, w2
+        self.x = torch.randn((t, s["model_dim"]), generator=g, device=dev, dtype=dtype)
+        self.ids = torch.rand((t, e), generator=g, device=dev).topk(k, dim=1).indices.to(torch.int32)
+        tw = torch.rand((t, k), generator=g, device=dev) + 0.1
+        self.tw = tw / tw.sum(dim=1, keepdim=True)
+        self.out = torch.empty_like(self.x)
+        active = torch.unique(self.ids).numel()
+        self.nbytes = active * 3 * s["model_dim"] * s["inter_dim"] * dtype.itemsize + 2 * self.x.nbytes
+        self.tol = TOL[s["dtype"]]
+        self.iters, self.warmup = FusedMoeTuner.iterations(kernel_us)
+        n = min(CHECK_TOKENS, t)
+        inter = None if dtype == torch.float32 else dtype
+        self.ref = fused_moe_ref(self.x[:n], w1, w2, self.tw[:n], self.ids[:n], compute_dtype=torch.float64,
+                                 intermediate_dtype=inter)
+        self.n = n
+        self.block_m = None
+
+    @contextlib.contextmanager
+    def use(self, cand: Candidate):
+        self.block_m = cand.kwargs["block_m"]
+        try:
+            yield
+        finally:
+            self.block_m = None
+
+    def new_output(self):
+        return torch.empty_like(self.x)
+
+    def call(self, out):
+        fused_moe(self.x, self.w1, self.w2, self.tw, self.ids, out=out, block_m=self.block_m)
+
+    def checked(self, out):
+        return out[: self.n], self.ref
+
+    def time_us(self) -> float:
+        w1, w2, bm = self.w1, self.w2, self.block_m
+
+        def call(x, tw, ids, out):
+            return fused_moe(x, w1, w2, tw, ids, out=out, block_m=bm)
+
+        return perftest_us(call, self.x, self.tw, self.ids, self.out, iters=self.iters, warmup=self.warmup,
+                           max_copies=1)
+
+
+ADAPTER = FusedMoeTuner()

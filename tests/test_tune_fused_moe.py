@@ -1,0 +1,79 @@
+"""The tuner's fused_moe adapter (CPU: shapes, candidates, the shipped shape list's plan; a database
+row reaching the op's block_m choice) and (GPU) a small real tuning run."""
+import csv
+
+import pytest
+import torch
+
+from hipkern import tuning_db
+from hipkern.ops.fused_moe import BLOCK_MS, block_ms_for, choose_block_m, default_block_m
+from hipkern.tune import core
+from hipkern.tune.__main__ import main
+from hipkern.tune.core import Candidate
+from hipkern.tune.fused_moe import ADAPTER
+
+RAW = dict(dtype="bfloat16", model_dim="7168", inter_dim="256", num_experts="256", topk="8", tokens="32")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
+    tuning_db.reset()
+    yield tmp_path / "results" / "sm_90" / "fused_moe.csv"
+    tuning_db.reset()
+
+
+@pytest.mark.parametrize("change,match", [(dict(dtype="int8"), "dtype"), (dict(model_dim="7170"), "multiples of 8"),
+                                          (dict(topk="0"), "topk"), (dict(topk="300"), "topk at most"),
+                                          (dict(num_experts="2048"), "num_experts")])
+def test_bad_shapes_name_the_column(change, match):
+    with pytest.raises(ValueError, match=match):
+        ADAPTER.parse_shape({**RAW, **change})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_candidates_are_every_block_m_of_the_dtype_heuristic_first(dtype):
+    s = ADAPTER.parse_shape({**RAW, "dtype": dtype})
+    kept = ADAPTER.candidates(s, ADAPTER.info_for("sm_90", 132)).kept
+    assert kept[0] == ADAPTER.heuristic(s)
+    assert sorted(c.kwargs["block_m"] for c in kept) == sorted(block_ms_for(getattr(torch, dtype)))
+    assert len({c.name for c in kept}) == len(kept)
+    assert (128 in [c.kwargs["block_m"] for c in kept]) == (dtype != "float32")
+
+
+def test_shipped_shape_list_plans_without_a_gpu(capsys):
+    assert main(["fused_moe", "--dry-run", "--arch", "sm_90", "--cu-count", "132"]) == 0
+    assert "42 shapes to tune" in capsys.readouterr().out
+
+
+def test_a_database_row_sets_block_m_and_misses_fall_back(fresh, monkeypatch):
+    shape = ADAPTER.parse_shape(RAW)
+    row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, Candidate.of("grouped", block_m=64),
+                        "ok", 500.0, 10**9, 0.0, "", {"date": "2026-11-22", "commit": "abc"})
+    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
+    tuning_db.reset()
+    args = ("sm_90", 132, 32, 7168, 256, 256, 8)
+    assert choose_block_m(*args, torch.bfloat16) == 64  # exact
+    assert choose_block_m("sm_90", 132, 20, 7168, 256, 256, 8, torch.bfloat16) == 64  # same bucket
+    assert choose_block_m("sm_90", 132, 32, 4096, 256, 256, 8, torch.bfloat16) == default_block_m(32, 8, 256)
+    # a row whose block_m the dtype does not offer (fp32 stops at 64) is not taken
+    row128 = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132},
+                           ADAPTER.parse_shape({**RAW, "dtype": "float32"}), Candidate.of("grouped", block_m=128),
+                           "ok", 1.0, 10**9, 0.0, "", {"date": "2026-11-22", "commit": "abc"})
+    with open(fresh, "a", newline="") as fh:
+        csv.DictWriter(fh, fieldnames=ADAPTER.schema.columns, extrasaction="ignore").writerow(row128)
+    tuning_db.reset()
+    assert choose_block_m(*args, torch.float32) == default_block_m(32, 8, 256, torch.float32)
+    assert set(BLOCK_MS) >= set(block_ms_for(torch.float32))
+
+
+@pytest.mark.gpu
+def test_tuning_run_writes_checked_rows(tmp_path):
+    out = tmp_path / "fused_moe.csv"
+    assert main(["fused_moe", "--shape", "dtype=bfloat16,model_dim=256,inter_dim=128,num_experts=16,topk=2,tokens=8",
+                 "--out", str(out), "--no-progress"]) == 0
+    rows = list(csv.DictReader(open(out, newline="")))
+    assert len(rows) == 1 and rows[0]["variant"] == "grouped" and int(rows[0]["block_m"]) in BLOCK_MS
+    log = list(csv.DictReader(open(tmp_path / "fused_moe.candidates.csv", newline="")))
+    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS)
