@@ -23,14 +23,16 @@ def report_rows(adapter, out) -> list:
     rows = []
     for r in db:
         key, shape = row_key(schema, r), adapter.parse_shape(r)
-        same = adapter.candidates(shape, adapter.info_for(r["arch"], int(r["cu_count"]))).same
+        pruned = adapter.candidates(shape, adapter.info_for(r["arch"], int(r["cu_count"])))
+        same, offered = pruned.same, {c.name for c in pruned.kept} | set(pruned.same) | set(pruned.dominated)
         timed = lambda name: ok.get((key, same.get(name, name)))  # noqa: E731 (a launch timed under its first name)
         us, default = float(r["us"]), adapter.heuristic(shape).name
         d_us = timed(default)
         rows.append({"shape": adapter.describe(shape), "chosen": candidate_of(schema, r).name, "us": us,
                      "tbps": float(r["tbps"]) if r.get("tbps") else math.nan, "default": default, "default_us": d_us,
                      "gain": d_us / us if d_us else None,
-                     **{f"{v}_us": timed(v) for v in sorted(schema.variants)}})
+                     **{f"{v}_us": timed(v) for v in sorted(schema.variants)},
+                     **{f"{v}_offered": v in offered for v in sorted(schema.variants)}})
     return rows
 
 
@@ -44,11 +46,15 @@ def report(adapter, out) -> str:
              for t in table]
     gains = [r["gain"] for r in rows if r["gain"]]
     if gains:
-        lines.append(f"tuned vs the default ({rows[0]['default']}): geometric-mean gain {_geomean(gains):.3f}x over "
+        defaults = {r["default"] for r in rows}
+        what = defaults.pop() if len(defaults) == 1 else "the heuristic default per shape"
+        lines.append(f"tuned vs the default ({what}): geometric-mean gain {_geomean(gains):.3f}x over "
                      f"{len(gains)} of {len(rows)} shapes (min {min(gains):.3f}x, max {max(gains):.3f}x)")
     fixed = {}
     for v in sorted(adapter.schema.variants):
         times = [r[f"{v}_us"] for r in rows]
+        if not any(r[f"{v}_offered"] for r in rows):  # always takes parameters (fused_moe's block_m)
+            continue
         if all(times):
             fixed[v] = _geomean([t / r["us"] for t, r in zip(times, rows)])
         else:
