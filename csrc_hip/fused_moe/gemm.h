@@ -104,7 +104,6 @@ struct GemmCfg {
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
   static_assert(M::kRows % 16 == 0 && M::kLd % kVec == 0 && kW % 16 == 0 && kX % 16 == 0, "16-byte rows");
-
 };
 
 // The m-block, n-tile, expert and (per X copy of this thread) pair of an item.
@@ -134,8 +133,7 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
   T* x_s = reinterpret_cast<T*>(smem_raw + C::kW);                // [S][kToks][kLd]
   float* red = reinterpret_cast<float*>(smem_raw + C::kRedAt);  // [kWK][kRows][kRedLd]
   int* pair_s = reinterpret_cast<int*>(smem_raw + C::kPairsAt);  // [S][kToks]
-
-  int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);
+  int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);     // split: this block's part was the last
 
   const int G = gridDim.x, KS = (p.K + M::kBK - 1) / M::kBK;  // k-stages of a whole item
   const Plan pl = plan(p, BM, KS, G);
