@@ -55,11 +55,16 @@ struct MmaMath {
       typename MT::A a;
       MT::load_a(a, w + kk, kLd);
 #pragma unroll
-      for (int n = 0; n < kNT; ++n) {
+      for (int n = 0; n < kNT; n += 2) {  // token tiles in pairs: one fragment load for two tiles
         if (!on[n]) break;
-        typename MT::B b;
-        MT::load_b_nk(b, x + n * MT::N * kLd + kk, kLd);
-        MT::mma(acc.c[n], a, b);
+        typename MT::B b0, b1;
+        if (n + 1 < kNT) {
+          MT::load_b_nk2(b0, b1, x + n * MT::N * kLd + kk, kLd);
+        } else {
+          MT::load_b_nk(b0, x + n * MT::N * kLd + kk, kLd);
+        }
+        MT::mma(acc.c[n], a, b0);
+        if (n + 1 < kNT && on[n + 1]) MT::mma(acc.c[n + 1], a, b1);
       }
     }
   }

@@ -5,6 +5,7 @@
 //   A, B, C                per-lane fragments (C is kC floats)
 //   load_a(a, s, ld)       A from shared memory, row-major, row stride ld elements
 //   load_b_nk(b, s, ld)    B from shared memory holding B^T row-major ([N][K], k contiguous)
+//   load_b_nk2(b0, b1, s, ld)  the same for two adjacent n tiles (rows 0..N-1 and N..2N-1) at once
 //   load_b_kn(b, s, ld)    B from shared memory holding B row-major ([K][N], n contiguous)
 //   mma(c, a, b)           c += a * b
 //   c_row(i), c_col(i)     where the lane's accumulator element i sits in C
@@ -88,6 +89,14 @@ struct MmaTile {
                  : "r"(smem_addr(row))
                  : "memory");
   }
+  static HK_DEVICE void load_b_nk2(B& b0, B& b1, const T* s, int ld) {  // two n tiles: rows 0-7, 8-15
+    const int l = lane_id();
+    const T* row = s + ((l % 8) + 8 * (l / 16)) * ld + 8 * ((l / 8) % 2);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b0.r[0]), "=r"(b0.r[1]), "=r"(b1.r[0]), "=r"(b1.r[1])
+                 : "r"(smem_addr(row))
+                 : "memory");
+  }
   static HK_DEVICE void load_b_kn(B& b, const T* s, int ld) {  // rows k 0-7 | 8-15, transposed
     const int l = lane_id() % 16;
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
@@ -162,6 +171,10 @@ struct MmaTile {
   static HK_DEVICE void load_b_nk(B& b, const T* s, int ld) {
     const int l = lane_id();
     load_vec<T, 4>(s + (l % 16) * ld + 4 * (l / 16), b.e);
+  }
+  static HK_DEVICE void load_b_nk2(B& b0, B& b1, const T* s, int ld) {  // two n tiles: rows 0-15, 16-31
+    load_b_nk(b0, s, ld);
+    load_b_nk(b1, s + N * ld, ld);
   }
   static HK_DEVICE void load_b_kn(B& b, const T* s, int ld) {
     const int l = lane_id();
