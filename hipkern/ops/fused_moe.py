@@ -4,10 +4,9 @@ deterministic combine; see csrc_hip/fused_moe/)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
-
-import functools
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
@@ -30,6 +29,7 @@ tuning_db.register(tuning_db.Schema(
 def block_ms_for(dtype) -> tuple:
     """The block_m values of a dtype (float32 keeps its accumulators in registers up to 64)."""
     return BLOCK_MS if dtype != torch.float32 else tuple(b for b in BLOCK_MS if b <= 64)
+
 
 lib.define("fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
            "str activation='silu', Tensor? expert_map=None, int block_m=0) -> Tensor")
