@@ -121,17 +121,17 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
 
 
 def _check_values(topk_ids, num_experts, expert_map, num_local) -> None:
-    """validate=True: ids in [0, E) and expert_map values in [-1, E_local), at the cost of a device sync."""
-    if topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids must lie in [0, {num_experts}) (the number of experts), found values in "
-                             f"[{lo}, {hi}]")
-    if expert_map is not None and expert_map.numel():
-        lo, hi = int(expert_map.min()), int(expert_map.max())
-        if lo < -1 or hi >= num_local:
-            raise ValueError(f"expert_map values must be -1 (remote) or a local expert index in [0, {num_local}) "
-                             f"(w1's first dim), found values in [{lo}, {hi}]")
+    """validate=True: moe_sorting's checks (ids in [0, E), expert_map values >= -1), and expert_map's
+    local indices below E_local; syncs with the device."""
+    _sorting._check_values(topk_ids, num_experts, expert_map)
+    if expert_map is not None and expert_map.numel() and int(expert_map.max()) >= num_local:
+        raise ValueError(f"expert_map values must be -1 (remote) or a local expert index in [0, {num_local}) "
+                         f"(w1's first dim), found {int(expert_map.max())}")
+
+
+def _routed_experts(w1, expert_map) -> int:
+    """E, the experts topk_ids index: expert_map's length when given, else w1's."""
+    return w1.shape[0] if expert_map is None else expert_map.shape[0]
 
 
 def _check_aligned(**tensors) -> None:  # not in _validate: fake tensors (torch.compile) have no address
@@ -165,7 +165,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     num_tokens, dim = hidden_states.shape
     topk = topk_ids.shape[1]
     e_local, inter = w1.shape[0], w1.shape[1] // 2
-    num_experts = e_local if expert_map is None else expert_map.shape[0]
+    num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
     sorted_ids, expert_ids, num_post = _sorting._outputs(topk_ids, num_experts, block_m)
     _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
@@ -189,7 +189,7 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
     if not block_m:
         dev = hidden_states.get_device()
-        num_experts = w1.shape[0] if expert_map is None else expert_map.shape[0]
+        num_experts = _routed_experts(w1, expert_map)
         block_m = choose_block_m(jit.current_arch(dev), _sm_count(dev), hidden_states.shape[0], hidden_states.shape[1],
                                  w2.shape[2], num_experts, topk_ids.shape[1], hidden_states.dtype)
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
@@ -251,8 +251,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
             raise ValueError(f"{name} must be a bool, got {type(v).__name__}")
     _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out)
     if validate:
-        num_experts = w1.shape[0] if expert_map is None else expert_map.shape[0]
-        _check_values(topk_ids, num_experts, expert_map, w1.shape[0])
+        _check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0])
     bm = block_m or 0
     if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
         if out is None:
