@@ -33,6 +33,18 @@ def toolchain_or_skip(arch: str, tmp_path: Path):
 
 
 @pytest.fixture
+def tuning_results(tmp_path, monkeypatch):
+    """tmp_path/results/sm_90 for a test's tuning files, with HIPKERN_TUNING_DB unset and the loaded
+    tuning database forgotten before and after."""
+    from hipkern import tuning_db
+
+    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
+    tuning_db.reset()
+    yield tmp_path / "results" / "sm_90"
+    tuning_db.reset()
+
+
+@pytest.fixture
 def jit_dir(tmp_path, monkeypatch):
     d = tmp_path / "jit"
     monkeypatch.setenv("HIPKERN_JIT_DIR", str(d))

@@ -113,15 +113,12 @@ def shapes(*specs):
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
+def fresh(monkeypatch, tmp_path, tuning_results):
     CALLS.clear()
     STATE.update(clock=0.0, interrupts=0)
     monkeypatch.setenv("FAKE_TUNE_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(TESTS))  # workers import this module as test_tune
-    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
-    tuning_db.reset()
-    yield tmp_path / "results" / "sm_90" / "faketune.csv"
-    tuning_db.reset()
+    return tuning_results / "faketune.csv"
 
 
 def rows_of(path):

@@ -16,11 +16,8 @@ RAW = dict(dtype="bfloat16", model_dim="7168", inter_dim="256", num_experts="256
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
-    tuning_db.reset()
-    yield tmp_path / "results" / "sm_90" / "fused_moe.csv"
-    tuning_db.reset()
+def fresh(tuning_results):
+    return tuning_results / "fused_moe.csv"
 
 
 @pytest.mark.parametrize("change,match", [(dict(dtype="int8"), "dtype"), (dict(model_dim="7170"), "multiples of 8"),

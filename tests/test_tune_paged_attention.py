@@ -19,11 +19,8 @@ def rows_of(path):
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
-    tuning_db.reset()
-    yield tmp_path / "results" / "sm_90" / "paged_attention.csv"
-    tuning_db.reset()
+def fresh(tuning_results):
+    return tuning_results / "paged_attention.csv"
 
 
 def test_paged_attention_row_round_trips(fresh, monkeypatch):
