@@ -148,6 +148,28 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("partition_size", [64, 128, 512])
+def test_pinned_partition_sizes_on_two_streams(partition_size):
+    """Partition boundaries +-1, up to 64 partitions and an empty context in one batch, each variant
+    pinned to a partition size, on the default and a side stream."""
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    lens = [0, 1, partition_size - 1, partition_size, partition_size + 1, 3 * partition_size + 7, 4096]
+    case = make_case(lens, num_kv_heads=2, group=8, seed=partition_size)
+    side = torch.cuda.Stream()
+    for variant in VARIANT_NAMES:
+        with pinned(Candidate.of(variant, partition_size=partition_size)):
+            for _ in range(2):
+                o, lse = run_and_check(case, variant=None, msg=f"{variant} ")
+                assert (o[0] == 0).all() and (lse[0] == -math.inf).all()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run_and_check(case, variant=None, msg=f"{variant} side stream ")
+            torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_deterministic(variant):
     q, k, v, bt, cl = make_case([3000, 77, 1500], num_kv_heads=4, group=8)
