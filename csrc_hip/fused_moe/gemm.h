@@ -79,6 +79,20 @@ HK_DEVICE Plan plan(const GemmParams& p, int bm, int ks_total, int grid) {
   return pl;
 }
 
+// A position in a block's stream of stages: the item, the stage within the item's K part and the
+// part's first k-stage. Advanced one stage at a time, so that no stage divides (a runtime division
+// is ~20 instructions: a few per stage were a large share of the small items' instruction budget).
+struct Cursor {
+  int item, kp, kc0;
+  HK_DEVICE Cursor(const Plan& pl) : item((int)blockIdx.x), kp(0), kc0((int)blockIdx.x % pl.split * pl.kss) {}
+  HK_DEVICE void advance(const Plan& pl, int grid) {
+    if (++kp < pl.kss) return;
+    kp = 0;
+    item += grid;
+    kc0 = item % pl.split * pl.kss;
+  }
+};
+
 HK_DEVICE float activate(float g, int act) {
   return act == kSilu ? g / (1.f + expf(-g)) : 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 }
@@ -145,6 +159,7 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
   It cur, nxt;
   cur.fetch(p, pl, blockIdx.x, BM);
   int cur_item = -1;
+  Cursor ld(pl), cs(pl);  // the loader's stage and the consumer's
   const T* w = static_cast<const T*>(p.w);
   const T* x = static_cast<const T*>(p.x);
   // This thread's copy sources for the current item (row starts; null: the row is not loaded), set
@@ -174,9 +189,9 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
     }
   };
 
-  auto load = [&](int g) {  // every thread: its share of stage g's weight and token chunks
-    const int item = (int)blockIdx.x + (g / pl.kss) * G, slot = g % S;
-    const int kc = (item % pl.split) * pl.kss + g % pl.kss;  // k-stage within the whole item
+  auto load = [&](int g) {  // every thread: its share of stage g's weight and token chunks (g: ld's)
+    const int item = ld.item, slot = g % S, kc = ld.kc0 + ld.kp;  // kc: k-stage within the whole item
+    ld.advance(pl, G);
     if (item != cur_item) {
       if (cur_item >= 0) cur = nxt;
       cur_item = item;
@@ -224,10 +239,11 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
       if (g + S - 1 < total) load(g + S - 1);
       async_copy_commit();
     }
-    const int slot = g % S, kp = g % pl.kss, item = (int)blockIdx.x + (g / pl.kss) * G;
+    const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
+    cs.advance(pl, G);
     const int* pairs = pair_s + slot * M::kToks;
     if (kp == 0) M::zero(acc);
-    if ((item % pl.split) * pl.kss + kp < KS)
+    if (kc < KS)
       M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs);
     if (kp != pl.kss - 1) continue;
 
