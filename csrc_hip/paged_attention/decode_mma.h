@@ -4,7 +4,9 @@
 // group up to 64, as 16-row tiles: WM tiles of 16 heads) are the M side of every product.
 //   Pipeline: the partition's tokens go through shared memory in tiles of kTile tokens, kStages
 //     deep: all threads issue coalesced 16-byte asynchronous copies of the K and V rows of tile i+S-1
-//     (rows of masked tokens zero-filled, never read) while the waves compute tile i. Where copies
+//     (rows of masked tokens zero-filled, never read) while the waves compute tile i. The rows' cache
+//     offsets come from shared memory, read from the block table one tile earlier still (one thread
+//     per row, into a register), so no copy waits on a block-table load. Where copies
 //     are synchronous (CDNA here) one stage is used: 64 KB of LDS holds no more, and it does not fit
 //     head size 256 at all (the launcher reports it; the Python op rejects it first).
 //   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
@@ -39,14 +41,16 @@ struct Cfg {
   static constexpr int kLd = D + 8;          // shared row stride, elements
   static constexpr int kVec = 16 / (int)sizeof(T);
   static constexpr int kChunks = D / kVec;   // 16-byte chunks per row
-  // shared memory (bytes): Q | per-wave P scratch | pipeline (reused by the merge) | token flags
+  // shared memory (bytes): Q | per-wave P scratch | pipeline (reused by the merge) | row offsets of
+  // two tiles | token flags
   static constexpr int kQ = kRows * kLd * (int)sizeof(T);
   static constexpr int kScratch = kWaves * MT::M * MT::K * (int)sizeof(T);
   static constexpr int kStage = kTile * kLd * (int)sizeof(T);  // one K or V tile
   static constexpr int kPipe = 2 * kStages * kStage;
   static constexpr int kMerge = WN * kRows * (2 + D) * 4;
+  static constexpr int kOffsets = 2 * kTile * 8;
   static constexpr int kFlags = kStages * kTile;
-  static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kFlags;
+  static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kOffsets + kFlags;
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
@@ -65,7 +69,8 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
   unsigned char* pipe = smem_raw + C::kQ + C::kScratch;
   T* k_s = reinterpret_cast<T*>(pipe);    // [kStages][kTile][kLd]
   T* v_s = k_s + C::kStages * C::kTile * C::kLd;
-  uint8_t* ok_s = pipe + (C::kPipe > C::kMerge ? C::kPipe : C::kMerge);  // [kStages][kTile]
+  int64_t* off_s = reinterpret_cast<int64_t*>(pipe + (C::kPipe > C::kMerge ? C::kPipe : C::kMerge));  // [2][kTile]
+  uint8_t* ok_s = reinterpret_cast<uint8_t*>(off_s + 2 * C::kTile);  // [kStages][kTile]
 
   const BlockWork work = block_work<C::kRows>(p);
   if (work.skip) return;
@@ -90,16 +95,20 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
   const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
   const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
   const int ntiles = (end - start + C::kTile - 1) / C::kTile;
-  auto load_tile = [&](int tile) {  // every thread: its share of the tile's K and V chunks
-    const int buf = tile % C::kStages, t0 = start + tile * C::kTile;
+  // Cache offset of row threadIdx.x (< kTile) of a tile, or -1 (masked: past the end, invalid block).
+  auto row_offset = [&](int tile) -> int64_t {
+    const int t = start + tile * C::kTile + (int)threadIdx.x;
+    return t < end ? token_offset(p, bt, t) : -1;
+  };
+  // Every thread: its share of a tile's K and V chunks; offset(j, r): the cache offset of its j-th
+  // copy's row r of the tile.
+  auto load_tile = [&](int tile, auto offset) {
+    const int buf = tile % C::kStages;
     T* ks = k_s + buf * C::kTile * C::kLd;
     T* vs = v_s + buf * C::kTile * C::kLd;
-    int64_t off[C::kCopies];  // all block-table reads first: one latency, not kCopies
+    int64_t off[C::kCopies];  // all offsets first: one latency, not kCopies
 #pragma unroll
-    for (int j = 0; j < C::kCopies; ++j) {
-      const int t = t0 + (threadIdx.x + j * C::kThreads) / C::kChunks;
-      off[j] = t < end ? token_offset(p, bt, t) : -1;
-    }
+    for (int j = 0; j < C::kCopies; ++j) off[j] = offset(j, (threadIdx.x + j * C::kThreads) / C::kChunks);
 #pragma unroll
     for (int j = 0; j < C::kCopies; ++j) {
       const int i = threadIdx.x + j * C::kThreads, r = i / C::kChunks, c = i % C::kChunks;
@@ -109,11 +118,34 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
       if (c == 0) ok_s[buf * C::kTile + r] = off[j] >= 0;
     }
   };
+  // The first kStages - 1 tiles read the block table directly; then tile i's row offsets are in
+  // off_s[i % 2] at the top of iteration i - kStages + 1, and `pending` holds the next tile's.
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {  // the query rows travel with the first group
-    if (s < ntiles) load_tile(s);
+    if (s < ntiles) {
+      const int t0 = start + s * C::kTile;
+      load_tile(s, [&](int, int r) -> int64_t { return t0 + r < end ? token_offset(p, bt, t0 + r) : -1; });
+    }
     async_copy_commit();
   }
+  int64_t pending = -1;
+  if (threadIdx.x < C::kTile) {
+    off_s[(C::kStages - 1) % 2 * C::kTile + threadIdx.x] = row_offset(C::kStages - 1);
+    pending = row_offset(C::kStages);
+  }
+  // Iteration `tile`, after a barrier: copy tile + kStages - 1 from off_s, then move the offsets of
+  // the tile after it into off_s (that half was last read before the barrier) and read the next.
+  auto load_ahead = [&](int tile) {
+    const int next = tile + C::kStages - 1;
+    if (next < ntiles) {
+      const int64_t* o = off_s + next % 2 * C::kTile;
+      load_tile(next, [&](int, int r) { return o[r]; });
+    }
+    if (threadIdx.x < C::kTile) {
+      off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = pending;
+      if (next + 2 < ntiles) pending = row_offset(next + 2);
+    }
+  };
 
   const int wave = threadIdx.x / kWaveSize;
   const int wm = wave % WM, wn = wave / WM;
@@ -133,13 +165,13 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
   for (int tile = 0; tile < ntiles; ++tile) {
     if constexpr (C::kStages == 1) {
       __syncthreads();  // every wave is done with the previous tile
-      load_tile(tile);
+      load_ahead(tile);
     } else {
       async_copy_wait_pending<C::kStages - 2>();
     }
     __syncthreads();  // tile is in shared memory; every wave is done with tile - 1's buffer
     if constexpr (C::kStages > 1) {
-      if (tile + C::kStages - 1 < ntiles) load_tile(tile + C::kStages - 1);
+      load_ahead(tile);
       async_copy_commit();
     }
 

@@ -11,7 +11,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Weight of a partial state with max m inside a merge whose max is M (0 for an empty state).
-HK_DEVICE float merge_weight(float m, float M) { return m == -INFINITY ? 0.f : exp2f(m - M); }
+HK_DEVICE float merge_weight(float m, float M) { return m == -INFINITY ? 0.f : fast_exp2(m - M); }
 
 // Natural-log LSE of a merged state; -inf when it saw no keys.
 HK_DEVICE float lse_of(float M, float L) { return L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY; }
