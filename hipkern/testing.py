@@ -6,6 +6,7 @@
 * ``run_perftest`` / ``@perftest``: device-event timing after warm-up, median of many runs, inputs
   rotated over more than the L2 size (or L2 flushed between runs when that would take too many
   copies), with the launch queue primed so that host overhead does not leak into device time.
+* ``run_graphtest``: the same calls, back to back in one CUDA graph over rotated inputs, per call.
 * ``BenchTable``: prints a benchmark table in the reference logs' CSV style and writes it as CSV.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["checkAllclose", "run_perftest", "perftest", "BenchTable", "poison", "l2_bytes"]
+__all__ = ["checkAllclose", "run_perftest", "run_graphtest", "perftest", "BenchTable", "poison", "l2_bytes"]
 
 
 def _fmt(x: float) -> str:
@@ -155,6 +156,48 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
     enqueue()
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    return out, statistics.median(times)
+
+
+def run_graphtest(func, *args, num_iters: int = 20, rotate_bytes: int | None = None, max_copies: int = 256,
+                  **kwargs):
+    """Time ``func(*args, **kwargs)`` as CUDA-graph replay (how serving engines run decode steps, and
+    how the issue's peer figures were taken); returns (output of the last call, median us per call).
+
+    Tensor arguments are cloned into enough copies that the calls cycle over more than `rotate_bytes`
+    (default 2x L2; at most `max_copies`); one graph holds one call per copy, back to back, and each
+    timed replay's device time (events) is divided by the number of calls. Unlike run_perftest, no
+    event or launch gap separates the calls, so this measures a kernel's own ramp and tail but not
+    its launch latency.
+    """
+    if num_iters < 1:
+        raise ValueError(f"num_iters must be >= 1, got {num_iters}")
+    tensors = list(_tensors((args, kwargs)))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    target = rotate_bytes if rotate_bytes is not None else 2 * l2_bytes()
+    copies = min(max_copies, max(1, math.ceil(target / max(nbytes, 1))))
+    sets = [(args, kwargs)] + [_clone((args, kwargs)) for _ in range(copies - 1)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (module loads, allocator)
+        for a, k in sets:
+            func(*a, **k)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a, k in sets:
+            out = func(*a, **k)
+    graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
+    torch.cuda.synchronize()
+    for i in range(num_iters):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 / len(sets) for s, e in zip(starts, ends)]
+    del graph
     return out, statistics.median(times)
 
 

@@ -221,3 +221,22 @@ def test_benchtable_to_csv_roundtrip(tmp_path):
     assert list(df.columns) == ["Timestamp", "M", "N", "us", "TFLOPS"] and len(df) == 2
     assert df["M"].tolist() == [128, 4096]
     assert df["us"].tolist() == pytest.approx([12.3456, 250.0])
+
+
+@pytest.mark.gpu
+def test_run_graphtest_replays_one_call_per_rotated_copy():
+    from hipkern.testing import run_graphtest
+
+    x = torch.randn(1 << 20, device="cuda")  # 4 MB
+    seen = []
+
+    def f(t):
+        seen.append(t.data_ptr())
+        return t * 2
+
+    out, us = run_graphtest(f, x, num_iters=3, rotate_bytes=16 << 20)
+    assert len(set(seen)) == 4  # 16 MB of rotation over 4 MB inputs: 4 distinct copies, each called
+    assert us > 0 and math.isfinite(us)
+    assert torch.equal(out, x * 2)  # the last captured call's output, written by the replays
+    with pytest.raises(ValueError, match="num_iters must be >= 1"):
+        run_graphtest(f, x, num_iters=0)
