@@ -116,7 +116,9 @@ class _Table:
         try:
             with open(path, newline="") as fh:
                 reader = csv.DictReader(fh)
-                missing = [c for c in self.schema.columns if c not in (reader.fieldnames or ())]
+                # a parameter column a file lacks (written before the parameter existed) reads as empty
+                missing = [c for c in self.schema.columns if c not in (reader.fieldnames or ())
+                           and c not in self.schema.param_keys]
                 if missing:
                     warnings.warn(f"hipkern tuning file {path} lacks columns {missing}; skipped", stacklevel=4)
                     return
@@ -144,7 +146,7 @@ class _Table:
                 row[k] = int(raw[k])
                 if row[k] < 1 or row[k] & (row[k] - 1):
                     return f"{k}={raw[k]!r} is not a power of two"
-            row["params"] = {k: int(raw[k]) for k in s.param_keys if raw[k] not in ("", None)}
+            row["params"] = {k: int(raw[k]) for k in s.param_keys if raw.get(k) not in ("", None)}
             float(raw["us"])
         except (TypeError, ValueError):
             return "a number column holds something else"

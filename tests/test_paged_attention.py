@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hipkern
-from hipkern.ops.paged_attention import VARIANTS
+from hipkern.ops.paged_attention import ALIASES, VARIANTS
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import checkAllclose, poison
 
@@ -158,7 +158,7 @@ def test_pinned_partition_sizes_on_two_streams(partition_size):
     lens = [0, 1, partition_size - 1, partition_size, partition_size + 1, 3 * partition_size + 7, 4096]
     case = make_case(lens, num_kv_heads=2, group=8, seed=partition_size)
     side = torch.cuda.Stream()
-    for variant in VARIANT_NAMES:
+    for variant in VARIANT_NAMES:  # v5: its smallest partition
         with pinned(Candidate.of(variant, partition_size=partition_size)):
             for _ in range(2):
                 o, lse = run_and_check(case, variant=None, msg=f"{variant} ")
@@ -167,6 +167,66 @@ def test_pinned_partition_sizes_on_two_streams(partition_size):
             with torch.cuda.stream(side):
                 run_and_check(case, variant=None, msg=f"{variant} side stream ")
             torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks_per_slot", [1, 2, 3, 64])
+@pytest.mark.parametrize("group", [4, 64])
+def test_per_sequence_split_one_long_among_short(blocks_per_slot, group):
+    """v5: one long sequence among many short and empty ones, at each split target (64: far more
+    partitions than tiles, so every partition is one tile), on poisoned outputs."""
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    lens = [1, 17, 0, 65, 70000, 3, 64, 0, 129, 2000] * 3
+    case = make_case(lens, num_kv_heads=2 if group < 64 else 1, group=group, head_size=64, seed=blocks_per_slot)
+    with pinned(Candidate.of("v5", blocks_per_slot=blocks_per_slot)):
+        o, lse = run_and_check(case, variant=None)
+    assert (o[2] == 0).all() and (lse[7] == -math.inf).all()
+
+
+@pytest.mark.gpu
+def test_per_sequence_split_at_its_sequence_limit():
+    from hipkern.ops.paged_attention import MAX_PER_SEQUENCE_SEQS
+
+    lens = torch.randint(0, 300, (MAX_PER_SEQUENCE_SEQS,), generator=torch.Generator().manual_seed(3)).tolist()
+    lens[-1] = 5000
+    case = make_case(lens, num_kv_heads=1, group=8, head_size=64, extra_blocks=0)
+    run_and_check(case, variant="v5")
+
+
+@pytest.mark.gpu
+def test_per_sequence_variant_from_the_database_above_its_limit_runs_v16():
+    from hipkern.ops.paged_attention import MAX_PER_SEQUENCE_SEQS
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    case = make_case([5, 40] * (MAX_PER_SEQUENCE_SEQS // 2 + 1), num_kv_heads=1, group=4, head_size=64, extra_blocks=0)
+    with pinned(Candidate.of("v5")):
+        run_and_check(case, variant=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads_per_block", [16, 32])
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_group_split_over_blocks(heads_per_block, head_size):
+    """A GQA group of 64 (and an odd one of 40) taken by 16- or 32-head blocks, split and unsplit."""
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    for group in (64, 40):
+        case = make_case([1, 63, 64, 65, 700], num_kv_heads=2, group=group, head_size=head_size, seed=group)
+        for extra in ({}, {"partition_size": 64}, {"partition_size": 512}):
+            with pinned(Candidate.of("v16", heads_per_block=heads_per_block, **extra)):
+                run_and_check(case, variant=None, msg=f"group {group} {extra} ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_aliases_run_their_variant(alias):
+    case = make_case([1, 64, 1000], num_kv_heads=2, group=8)
+    o, _ = run_and_check(case, variant=alias)
+    assert torch.equal(o, hipkern.paged_attention_decode(*case, variant=ALIASES[alias]))
 
 
 @pytest.mark.gpu
@@ -226,7 +286,9 @@ def _call(c, **kw):
     (dict(context_lens=torch.ones(2, dtype=torch.int64)), {}, "context_lens must be one of int32"),
     ({}, dict(kv_layout="NDH"), "kv_layout must be one of"),
     ({}, dict(variant="v99"), "variant must be None or one of"),
-    ({}, dict(variant="v4"), "v4 is designed but not built yet"),
+    ({}, dict(variant="v8"), r"variant must be None or one of \['v16', 'v3', 'v5', 'v6', 'v9', 'v4', 'v7'\]"),
+    (dict(query=torch.randn(4097, 8, 128, dtype=torch.bfloat16), block_tables=torch.zeros(4097, 4, dtype=torch.int32),
+          context_lens=torch.ones(4097, dtype=torch.int32)), dict(variant="v5"), "v5 supports at most 4096 sequences"),
     ({}, dict(scale=float("nan")), "scale must be a finite float"),
     ({}, dict(return_lse=1), "return_lse must be a bool"),
     ({}, dict(out=torch.empty(2, 8, 64, dtype=torch.bfloat16)), r"out must have shape \(2, 8, 128\)"),

@@ -28,6 +28,13 @@ struct Params {
   int num_q_heads, group, block_size_log2, num_partitions, partition_size;
   int max_blocks_per_seq, num_blocks;  // context lengths and block ids are clamped to these
   float scale_log2;  // softmax scale * log2(e)
+  int num_seqs;
+  // Per-sequence split (v5), when split_target > 0: the launch has num_seqs + split_target items per
+  // KV-head group (grid y); every block derives the same plan from the context lengths (see
+  // per_sequence_plan; partition_size is then the smallest partition), partials are
+  // [item][num_q_heads][D], and seq_parts[seq] = (first item, items).
+  int split_target;
+  int32_t* seq_parts;
 };
 
 // A sequence's context length, clamped to what its block-table row can address (never negative).
@@ -37,90 +44,210 @@ HK_DEVICE int context_len(const Params& p, int seq) {
   return (int)(len < 0 ? 0 : len > cap ? cap : len);
 }
 
-// What one decode block takes: grid x = (KV head, group of kHeads of its query heads), y = sequence,
-// z = partition. `skip`: an empty partition of a split launch (merge_kernel never reads its partial).
+// What one decode block takes: grid x = (KV head, group of kHeads of its query heads); uniform split:
+// y = sequence, z = partition of partition_size tokens; per-sequence split (v5): y = item (below).
+// `skip`: an empty partition of a split launch (merge_kernel never reads its partial). `partial`:
+// the block writes an unnormalised partial (its sequence has several partitions) at the rows of
+// part_o that partial_row() gives, else the output rows themselves.
 struct BlockWork {
   int kvh, seq, part, start, end;
   int head0, nh;  // first query head of the block, real heads in it (<= kHeads)
-  bool skip;
+  bool skip, partial;
 };
 
-template <int kHeads>
+// The part_o (and part_ml) row of head h of the block's partial: uniform split [seq][head][part],
+// per-sequence split [item][head] (item: grid y).
+HK_DEVICE int64_t partial_row(const Params& p, const BlockWork& w, int h) {
+  const int64_t sh = (int64_t)w.seq * p.num_q_heads + w.head0 + h;
+  return p.split_target > 0 ? (int64_t)blockIdx.y * p.num_q_heads + w.head0 + h : sh * p.num_partitions + w.part;
+}
+
+// The per-sequence plan (v5), the same in every block: sequence s has tiles_s = ceil(len_s / kTile)
+// tiles; partitions hold c = ceil(sum tiles_s / split_target) tiles, and at least partition_size
+// tokens (rounded up to whole tiles), so s has
+// n_s = max(1, ceil(tiles_s / c)) of them and sum n_s <= num_seqs + split_target items; item i is
+// partition i - first_s of the sequence s with first_s <= i < first_s + n_s (first_s: the exclusive
+// prefix sum of n). Every thread of the block calls it (barriers). Returns c; sets seq, part and
+// (for the block holding partition 0 of its sequence, KV group 0) records (first_s, n_s).
+template <int kTile, int kThreads>
+HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, int& nparts) {
+  __shared__ int scratch[kThreads / kWaveSize];
+  __shared__ int found[3];
+  const int per = (p.num_seqs + kThreads - 1) / kThreads;  // sequences per thread, in order
+  const int s0 = threadIdx.x * per, s1 = min(p.num_seqs, s0 + per);
+  int tiles = 0;
+  for (int s = s0; s < s1; ++s) tiles += (context_len(p, s) + kTile - 1) / kTile;
+  int total;
+  block_exclusive_sum<kThreads>(tiles, scratch, total);
+  const int c = max((p.partition_size + kTile - 1) / kTile, (total + p.split_target - 1) / p.split_target);
+  int n = 0;
+  for (int s = s0; s < s1; ++s) n += max(1, ((context_len(p, s) + kTile - 1) / kTile + c - 1) / c);
+  int first = block_exclusive_sum<kThreads>(n, scratch, total);
+  if (threadIdx.x == 0) found[0] = -1;
+  __syncthreads();
+  if (item >= first && item < first + n) {  // this thread's sequences hold the item
+    for (int s = s0; s < s1; ++s) {
+      const int ns = max(1, ((context_len(p, s) + kTile - 1) / kTile + c - 1) / c);
+      if (item < first + ns) {
+        found[0] = s;
+        found[1] = item - first;
+        found[2] = ns;
+        break;
+      }
+      first += ns;
+    }
+  }
+  __syncthreads();
+  seq = found[0];
+  part = found[1];
+  nparts = found[2];
+  return c;
+}
+
+template <int kHeads, int kTile, int kThreads, bool kPerSequence>
 HK_DEVICE BlockWork block_work(const Params& p) {
   BlockWork w;
+  w.seq = -1;
+  w.part = w.start = w.end = 0;
+  w.skip = w.partial = false;
   const int hgroups = (p.group + kHeads - 1) / kHeads;
   const int hg = blockIdx.x % hgroups;
   w.kvh = blockIdx.x / hgroups;
+  w.head0 = w.kvh * p.group + hg * kHeads;
+  w.nh = min(kHeads, p.group - hg * kHeads);
+  if (kPerSequence && p.split_target > 0) {
+    int nparts;
+    const int c = per_sequence_plan<kTile, kThreads>(p, blockIdx.y, w.seq, w.part, nparts);
+    w.skip = w.seq < 0;  // an item past the last one
+    if (w.skip) return w;
+    const int len = context_len(p, w.seq);
+    w.start = w.part * c * kTile;
+    w.end = min(len, w.start + c * kTile);
+    w.partial = nparts > 1;
+    if (w.part == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+      p.seq_parts[2 * w.seq] = blockIdx.y;
+      p.seq_parts[2 * w.seq + 1] = nparts;
+    }
+    return w;
+  }
   w.seq = blockIdx.y;
   w.part = blockIdx.z;
   const int len = context_len(p, w.seq);
   w.start = w.part * p.partition_size;
-  w.skip = p.num_partitions > 1 && w.start >= len;
+  w.skip = w.part > 0 && w.start >= len;  // partition 0 always runs: it writes an empty context's zeros
   w.end = min(len, w.start + p.partition_size);
-  w.head0 = w.kvh * p.group + hg * kHeads;
-  w.nh = min(kHeads, p.group - hg * kHeads);
+  w.partial = p.num_partitions > 1 && len > p.partition_size;  // one partition: the output itself
   return w;
 }
 
 // Row offset (elements) of token t of sequence `seq`'s block-table row `bt`, or -1 when its block id
 // lies outside the cache (the token is then masked, never read).
+// Any t >= 0 may be asked (the block-table index is clamped to the row, so callers may read it
+// before they know the context length, and mask by it afterwards).
 HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
-  const int blk = bt[t >> p.block_size_log2];
+  const int blk = bt[min(t >> p.block_size_log2, p.max_blocks_per_seq - 1)];
   if (blk < 0 || blk >= p.num_blocks) return -1;
   return (int64_t)blk * p.kv_stride_block + (int64_t)(t & ((1 << p.block_size_log2) - 1)) * p.kv_stride_tok;
 }
 
 // The end of a block: merge kStates softmax states of its nh query heads (m_w, l_w: [kStates][kRows];
-// a_w: [kStates][kRows][D], in shared memory) and write the output rows (one partition) or this
-// partition's unnormalised partial and (m, l).
+// a_w: [kStates][kRows][D], 16-byte aligned, in shared memory) and write the output rows, or the
+// unnormalised partials and (m, l) when w.partial. m_w and l_w are overwritten (per-head weights).
 template <typename T, int D, int kStates, int kRows, int kThreads>
-HK_DEVICE void finish(const Params& p, const float* m_w, const float* l_w, const float* a_w, int seq, int head0,
-                      int nh, int part) {
-  for (int i = threadIdx.x; i < nh * D; i += kThreads) {
-    const int h = i / D, d = i % D;
-    float M = -INFINITY;
+HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, const float* a_w, const BlockWork& w) {
+  static_assert(D % 4 == 0 && (2 * kStates * kRows) % 4 == 0, "16-byte rows of a_w");
+  if (threadIdx.x < w.nh) {  // per head: each state's weight (into m_w), and the output scale (l_w[h])
+    const int h = threadIdx.x;
+    float M = -INFINITY, L = 0.f;
 #pragma unroll
-    for (int w = 0; w < kStates; ++w) M = fmaxf(M, m_w[w * kRows + h]);
-    float L = 0.f, O = 0.f;
+    for (int s = 0; s < kStates; ++s) M = fmaxf(M, m_w[s * kRows + h]);
 #pragma unroll
-    for (int w = 0; w < kStates; ++w) {
-      const float c = merge_weight(m_w[w * kRows + h], M);
-      L += l_w[w * kRows + h] * c;
-      O += a_w[(w * kRows + h) * D + d] * c;
+    for (int s = 0; s < kStates; ++s) {
+      const float c = merge_weight(m_w[s * kRows + h], M);
+      L += l_w[s * kRows + h] * c;
+      m_w[s * kRows + h] = c;
     }
-    const int64_t sh = (int64_t)seq * p.num_q_heads + head0 + h;
-    if (p.num_partitions == 1) {
-      static_cast<T*>(p.out)[sh * D + d] = from_float<T>(normalise(O, L));
-      if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
+    const int64_t sh = (int64_t)w.seq * p.num_q_heads + w.head0 + h;
+    if (w.partial) {
+      const int64_t r = partial_row(p, w, h);
+      p.part_ml[2 * r] = M;
+      p.part_ml[2 * r + 1] = L;
+    } else if (p.lse) {
+      p.lse[sh] = lse_of(M, L);
+    }
+    l_w[h] = w.partial ? 1.f : L > 0.f ? 1.f / L : 0.f;
+  }
+  __syncthreads();
+  constexpr int kV = 4, kPerRow = D / kV;
+  for (int i = threadIdx.x; i < w.nh * kPerRow; i += kThreads) {
+    const int h = i / kPerRow, d = i % kPerRow * kV;
+    float o[kV] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      const float c = m_w[s * kRows + h];
+      const float4 a = *reinterpret_cast<const float4*>(a_w + (s * kRows + h) * D + d);
+      o[0] += a.x * c;
+      o[1] += a.y * c;
+      o[2] += a.z * c;
+      o[3] += a.w * c;
+    }
+    const float f = l_w[h];
+#pragma unroll
+    for (int j = 0; j < kV; ++j) o[j] *= f;
+    if (w.partial) {
+      *reinterpret_cast<float4*>(p.part_o + partial_row(p, w, h) * D + d) = make_float4(o[0], o[1], o[2], o[3]);
     } else {
-      const int64_t sp = sh * p.num_partitions + part;
-      p.part_o[sp * D + d] = O;
-      if (d == 0) {
-        p.part_ml[2 * sp] = M;
-        p.part_ml[2 * sp + 1] = L;
-      }
+      store_from_float<T, kV>(static_cast<T*>(p.out) + ((int64_t)w.seq * p.num_q_heads + w.head0 + h) * D + d, o);
     }
   }
 }
 
-// Combine the partials of one (sequence, head): grid (num_q_heads, num_seqs), D threads.
+// Combine the partials of each (sequence, head) that has several: grid (ceil(num_q_heads / kHeadsM),
+// num_seqs), kHeadsM heads of D / 4 threads each (4 dimensions a thread). One pass over the partials,
+// rescaling to the running max. With programmatic dependent launch (sm_90) it may start before the
+// decode kernel ends: it reads the partials only after griddep_wait().
+template <int D> HK_HOST_DEVICE constexpr int merge_heads() { return 512 / D; }
+
 template <typename T, int D>
-__global__ __launch_bounds__(D) void merge_kernel(Params p) {
-  const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
-  const int len = context_len(p, seq);
-  const int n = (len + p.partition_size - 1) / p.partition_size;  // partials that were written
-  const int64_t sh = (int64_t)seq * p.num_q_heads + head;
-  const float* ml = p.part_ml + sh * p.num_partitions * 2;
-  const float* po = p.part_o + sh * p.num_partitions * D;
-  float M = -INFINITY;
-  for (int i = 0; i < n; ++i) M = fmaxf(M, ml[2 * i]);
-  float L = 0.f, O = 0.f;
-  for (int i = 0; i < n; ++i) {
-    const float c = merge_weight(ml[2 * i], M);
-    L += ml[2 * i + 1] * c;
-    O += po[(int64_t)i * D + d] * c;
+__global__ __launch_bounds__(128) void merge_kernel(Params p) {
+  constexpr int kPerHead = D / 4;
+  const int head = blockIdx.x * merge_heads<D>() + threadIdx.x / kPerHead, seq = blockIdx.y;
+  const int d = threadIdx.x % kPerHead * 4;
+  int n;
+  int64_t first, stride;  // partial j of this (sequence, head): rows first + j * stride
+  if (p.split_target > 0) {
+    griddep_wait();  // seq_parts comes from the decode kernel
+    n = p.seq_parts[2 * seq + 1];
+    first = (int64_t)p.seq_parts[2 * seq] * p.num_q_heads + head;
+    stride = p.num_q_heads;
+  } else {
+    const int len = context_len(p, seq);
+    n = (len + p.partition_size - 1) / p.partition_size;  // partials that were written
+    first = ((int64_t)seq * p.num_q_heads + head) * p.num_partitions;
+    stride = 1;
+    griddep_wait();
   }
-  static_cast<T*>(p.out)[sh * D + d] = from_float<T>(normalise(O, L));
+  if (n <= 1 || head >= p.num_q_heads) return;  // one partition: the decode kernel wrote the output
+  float M = -INFINITY, L = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int j = 0; j < n; ++j) {
+    const int64_t r = first + j * stride;
+    const float m = p.part_ml[2 * r], l = p.part_ml[2 * r + 1];
+    const float4 o = *reinterpret_cast<const float4*>(p.part_o + r * D + d);
+    if (m == -INFINITY) continue;  // an empty partial
+    const float mn = fmaxf(M, m), a = merge_weight(M, mn), c = fast_exp2(m - mn);
+    L = L * a + l * c;
+    O[0] = O[0] * a + o.x * c;
+    O[1] = O[1] * a + o.y * c;
+    O[2] = O[2] * a + o.z * c;
+    O[3] = O[3] * a + o.w * c;
+    M = mn;
+  }
+  const float f = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) O[j] *= f;
+  const int64_t sh = (int64_t)seq * p.num_q_heads + head;
+  store_from_float<T, 4>(static_cast<T*>(p.out) + sh * D + d, O);
   if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
 }
 
@@ -132,14 +259,14 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
                   const char* name /* "launch of ..." */) {
   HK_TRY(allow_shared(kernel, raised, smem_bytes, device));
   const unsigned hgroups = (unsigned)((p.group + heads - 1) / heads);
-  const dim3 grid((unsigned)num_kv_heads * hgroups, (unsigned)num_seqs, (unsigned)p.num_partitions);
+  const unsigned items = p.split_target > 0 ? (unsigned)(num_seqs + p.split_target) : (unsigned)num_seqs;
+  const dim3 grid((unsigned)num_kv_heads * hgroups, items, p.split_target > 0 ? 1u : (unsigned)p.num_partitions);
   hipLaunchKernelGGL(kernel, grid, dim3(threads), smem_bytes, stream, p);
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
-  if (p.num_partitions > 1) {
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(merge_kernel<T, D>), dim3((unsigned)p.num_q_heads, (unsigned)num_seqs),
-                       dim3(D), 0, stream, p);
-    HK_CHECK_LAUNCH("paged_attention merge_kernel");
+  if (p.num_partitions > 1 || p.split_target > 0) {
+    const unsigned x = (unsigned)((p.num_q_heads + merge_heads<D>() - 1) / merge_heads<D>());
+    HK_CHECK(launch_dependent(merge_kernel<T, D>, dim3(x, (unsigned)num_seqs), dim3(128), 0, stream, p));
   }
   return 0;
 }

@@ -26,16 +26,18 @@ namespace mma {
 
 // Waves per block: 4, or 8 for 64 heads (4 head tiles) where shared memory allows (not on CDNA:
 // the merge area of 8 waves would not fit 64 KB of LDS). 8 waves halve each wave's share of the
-// 64-head products, which otherwise leave the block waiting on its matrix units.
-template <int WM> constexpr int waves() { return WM == 4 && kAsyncCopy ? 8 : 4; }
+// 64-head products, which otherwise leave the block waiting on its matrix units. kSmall (variant
+// v6, one head tile): 2 waves on 32-token tiles, 2 stages: a third of the shared memory, so 2-3x the
+// blocks per SM.
+template <int WM, bool kSmall> constexpr int waves() { return kSmall ? 2 : WM == 4 && kAsyncCopy ? 8 : 4; }
 
-template <typename T, int D, int WM>
+template <typename T, int D, int WM, bool kSmall = false>
 struct Cfg {
   typedef MmaTile<T> MT;
-  static constexpr int kWaves = waves<WM>(), kThreads = kWaves * kWaveSize;
+  static constexpr int kWaves = waves<WM, kSmall>(), kThreads = kWaves * kWaveSize;
   static constexpr int WN = kWaves / WM;  // waves sharing a head tile, each on a token slice
-  static constexpr int kTile = 64;        // tokens per pipeline stage
-  static constexpr int kStages = !kAsyncCopy ? 1 : D <= 128 ? 3 : 2;
+  static constexpr int kTile = kSmall ? 32 : 64;  // tokens per pipeline stage
+  static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;
   static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
   static constexpr int kRows = 16 * WM;      // query heads per block
   static constexpr int kLd = D + 8;          // shared row stride, elements
@@ -53,13 +55,14 @@ struct Cfg {
   static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kOffsets + kFlags;
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
+  static_assert(kThreads >= kTile, "a thread per row reads the block table");
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
 };
 
-template <typename T, int D, int WM>
-__global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Params p) {
-  typedef Cfg<T, D, WM> C;
+template <typename T, int D, int WM, bool kSmall>
+__global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_kernel(Params p) {
+  typedef Cfg<T, D, WM, kSmall> C;
   typedef typename C::MT MT;
   constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
   constexpr int kND = D / MT::N;          // output tiles per wave
@@ -72,19 +75,35 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
   int64_t* off_s = reinterpret_cast<int64_t*>(pipe + (C::kPipe > C::kMerge ? C::kPipe : C::kMerge));  // [2][kTile]
   uint8_t* ok_s = reinterpret_cast<uint8_t*>(off_s + 2 * C::kTile);  // [kStages][kTile]
 
-  const BlockWork work = block_work<C::kRows>(p);
-  if (work.skip) return;
-  const int kvh = work.kvh, seq = work.seq, part = work.part, start = work.start, end = work.end;
-  const int head0 = work.head0, nh = work.nh;
+  griddep_launch_dependents();  // the merge kernel (split launches) may be scheduled once all blocks run
+  const BlockWork work = block_work<C::kRows, C::kTile, C::kThreads, true>(p);
+  const int seq = max(work.seq, 0), start = work.start, end = work.end;  // seq < 0 only when skipped
+  const int kvh = work.kvh, head0 = work.head0, nh = work.nh;
 
   // Query rows: 16-byte copies (in the first pipeline group) where aligned, else element by element.
+  // Nothing here waits for the context length (uniform split: skipped blocks copy them for nothing).
   const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s + (int64_t)head0 * p.q_stride_h;
-  if (reinterpret_cast<uintptr_t>(q) % 16 == 0 && p.q_stride_h % C::kVec == 0) {
+  const bool q_async = reinterpret_cast<uintptr_t>(q) % 16 == 0 && p.q_stride_h % C::kVec == 0;
+  if (q_async) {
     for (int i = threadIdx.x; i < C::kRows * C::kChunks; i += C::kThreads) {
       const int h = i / C::kChunks, c = i % C::kChunks;
       async_copy16_or_zero(q_s + h * C::kLd + c * C::kVec, q + (h < nh ? h * p.q_stride_h : 0) + c * C::kVec, h < nh);
     }
-  } else {
+  }
+  const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
+  // The first tiles' row offsets, read before the context length is known (masked by it below).
+  constexpr int kAhead = C::kStages > 1 ? C::kStages - 1 : 1;
+  int64_t ahead[kAhead][C::kCopies];
+#pragma unroll
+  for (int s = 0; s < kAhead; ++s)
+#pragma unroll
+    for (int j = 0; j < C::kCopies; ++j)
+      ahead[s][j] = token_offset(p, bt, start + s * C::kTile + (int)(threadIdx.x + j * C::kThreads) / C::kChunks);
+  if (work.skip) {
+    async_copy_wait();
+    return;
+  }
+  if (!q_async) {
     for (int i = threadIdx.x; i < C::kRows * D; i += C::kThreads) {
       const int h = i / D, d = i % D;
       q_s[h * C::kLd + d] = h < nh ? q[h * p.q_stride_h + d] : T();
@@ -93,7 +112,6 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
 
   const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
   const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
-  const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
   const int ntiles = (end - start + C::kTile - 1) / C::kTile;
   // Cache offset of row threadIdx.x (< kTile) of a tile, or -1 (masked: past the end, invalid block).
   auto row_offset = [&](int tile) -> int64_t {
@@ -118,13 +136,13 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
       if (c == 0) ok_s[buf * C::kTile + r] = off[j] >= 0;
     }
   };
-  // The first kStages - 1 tiles read the block table directly; then tile i's row offsets are in
+  // The first kStages - 1 tiles take their offsets from `ahead`; then tile i's row offsets are in
   // off_s[i % 2] at the top of iteration i - kStages + 1, and `pending` holds the next tile's.
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {  // the query rows travel with the first group
     if (s < ntiles) {
       const int t0 = start + s * C::kTile;
-      load_tile(s, [&](int, int r) -> int64_t { return t0 + r < end ? token_offset(p, bt, t0 + r) : -1; });
+      load_tile(s, [&](int j, int r) -> int64_t { return t0 + r < end ? ahead[s][j] : -1; });
     }
     async_copy_commit();
   }
@@ -259,26 +277,28 @@ __global__ HK_LAUNCH_BOUNDS(waves<WM>() * kWaveSize, 1) void decode_kernel(Param
     for (int n = 0; n < kND; ++n) a_w[row * D + n * MT::N + MT::c_col(i)] = o[n][i];
   }
   __syncthreads();
-  finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, seq, head0, nh, part);
+  finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, work);
 }
 
-template <typename T, int D, int WM> unsigned long long& raised() {  // devices with the shared limit raised
+template <typename T, int D, int WM, bool kSmall>
+unsigned long long& raised() {  // devices with the shared limit raised
   static unsigned long long r = 0;
   return r;
 }
 
-template <typename T, int D, int WM>
+template <typename T, int D, int WM, bool kSmall>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
-  typedef Cfg<T, D, WM> C;
-  return launch_decode<T, D>(&decode_kernel<T, D, WM>, raised<T, D, WM>(), p, C::kRows, num_kv_heads, num_seqs,
-                             C::kThreads, C::bytes, device, stream,
+  typedef Cfg<T, D, WM, kSmall> C;
+  return launch_decode<T, D>(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), p, C::kRows, num_kv_heads,
+                             num_seqs, C::kThreads, C::bytes, device, stream,
                              "launch of paged_attention mma::decode_kernel");
 }
 
-template <typename T, int D, int WM>
+template <typename T, int D, int WM, bool kSmall>
 int resident(int device, int* out) {
-  typedef Cfg<T, D, WM> C;
-  return resident_blocks(&decode_kernel<T, D, WM>, raised<T, D, WM>(), C::kThreads, C::bytes, device, out);
+  typedef Cfg<T, D, WM, kSmall> C;
+  return resident_blocks(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), C::kThreads, C::bytes, device,
+                         out);
 }
 
 }  // namespace mma

@@ -51,9 +51,10 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, min_blocks<D>()) void decode_kernel(Params
   int64_t* off_s = reinterpret_cast<int64_t*>(p_s + S::p);
   T* v_s = reinterpret_cast<T*>(off_s + kWaves * kWaveSize);
 
-  const BlockWork work = block_work<HPB>(p);
+  griddep_launch_dependents();  // the merge kernel (split launches) may be scheduled once all blocks run
+  const BlockWork work = block_work<HPB, kWaves * kWaveSize, kThreads, false>(p);
   if (work.skip) return;
-  const int kvh = work.kvh, seq = work.seq, part = work.part, start = work.start, end = work.end;
+  const int kvh = work.kvh, seq = work.seq, start = work.start, end = work.end;
   const int head0 = work.head0, nh = work.nh;
 
   const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s;
@@ -166,7 +167,7 @@ __global__ HK_LAUNCH_BOUNDS(kThreads, min_blocks<D>()) void decode_kernel(Params
     for (int j = 0; j < DPL; ++j) a_w[(wave * HPB + h) * D + lane * DPL + j] = acc[h][j];
   }
   __syncthreads();
-  finish<T, D, kWaves, HPB, kThreads>(p, m_w, l_w, a_w, seq, head0, nh, part);
+  finish<T, D, kWaves, HPB, kThreads>(p, m_w, l_w, a_w, work);
 }
 
 template <typename T, int D, int HPB> unsigned long long& raised() {  // devices with the shared limit raised

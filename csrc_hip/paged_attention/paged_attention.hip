@@ -3,7 +3,8 @@
 // Two kernels over the same parameters and the same split-K merge (common.h):
 //   kernel 0, decode_simt.h: CUDA cores, lane-per-token QK^T, 1-8 query heads per block (v3, v9);
 //   kernel 1, decode_mma.h: matrix cores, the GQA group as 16-row tiles, K/V pipelined through
-//             shared memory (v16).
+//             shared memory (v16, v5);
+//   kernel 2, decode_mma.h with its small configuration: 2 waves, 32-token tiles (v6).
 // A block takes one partition of one sequence's context; with several partitions (flash-decoding
 // split-K) blocks write unnormalised partials and (m, l), merged by merge_kernel. All cache offsets
 // are 64-bit. Invalid metadata never reads out of bounds: context lengths are clamped to [0, what the
@@ -29,9 +30,15 @@ template <int H> struct Pick<0, H> {
 };
 template <int H> struct Pick<1, H> {
   static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
-    return hk::paged_attention::mma::launch<T, D, H / 16>(p, s, kv, dev, st);
+    return hk::paged_attention::mma::launch<T, D, H / 16, false>(p, s, kv, dev, st);
   }
-  static int resident(int dev, int* out) { return hk::paged_attention::mma::resident<T, D, H / 16>(dev, out); }
+  static int resident(int dev, int* out) { return hk::paged_attention::mma::resident<T, D, H / 16, false>(dev, out); }
+};
+template <> struct Pick<2, 16> {
+  static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
+    return hk::paged_attention::mma::launch<T, D, 1, true>(p, s, kv, dev, st);
+  }
+  static int resident(int dev, int* out) { return hk::paged_attention::mma::resident<T, D, 1, true>(dev, out); }
 };
 
 // Calls fn(Pick<kernel, heads_per_block>()) for the instantiations that exist.
@@ -54,32 +61,42 @@ int dispatch(int kernel, int heads_per_block, Fn fn) {
     }
     return hk::set_invalid("kernel 1 takes heads_per_block 16, 32 or 64", __FILE__, __LINE__);
   }
-  return hk::set_invalid("kernel is 0 (CUDA cores) or 1 (matrix cores)", __FILE__, __LINE__);
+  if (kernel == 2) {
+    if (heads_per_block == 16) return fn(Pick<2, 16>());
+    return hk::set_invalid("kernel 2 takes heads_per_block 16", __FILE__, __LINE__);
+  }
+  return hk::set_invalid("kernel is 0 (CUDA cores), 1 (matrix cores) or 2 (matrix cores, small blocks)", __FILE__,
+                         __LINE__);
 }
 }  // namespace
 
 // Shapes and strides in elements. kernel 0: heads_per_block 1, 2, 4 or 8; kernel 1: 16, 32 or 64
-// (query heads per block, as 16-row tiles). num_partitions == 1: single pass (part_o/part_ml unused);
-// else partition_size tokens per partition, workspaces as in Params. Returns 0 or an error code
-// (message: hk_last_error()).
+// (query heads per block, as 16-row tiles); kernel 2: 16. split_target == 0 (uniform split): num_partitions == 1
+// is a single pass (part_o/part_ml unused), else partition_size tokens per partition, workspaces as in
+// Params. split_target > 0 (per-sequence split, kernels 1 and 2): num_partitions unused, partitions of
+// at least partition_size tokens; part_o/part_ml hold num_seqs + split_target items, seq_parts
+// num_seqs pairs. Returns 0 or an error
+// code (message: hk_last_error()).
 HK_EXPORT int hk_paged_attention_decode(
     const void* q, int64_t q_stride_s, int64_t q_stride_h, const void* k, const void* v,
     int64_t kv_stride_block, int64_t kv_stride_tok, int64_t kv_stride_head, const int32_t* block_tables,
     int64_t bt_stride, const int32_t* context_lens, void* out, float* lse, float* part_o, float* part_ml,
     int num_seqs, int num_q_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,
-    int num_blocks, int num_partitions, int partition_size, int kernel, int heads_per_block, float scale,
-    int device, void* stream) {
+    int num_blocks, int num_partitions, int partition_size, int split_target, int32_t* seq_parts, int kernel,
+    int heads_per_block, float scale, int device, void* stream) {
   HK_REQUIRE(num_seqs >= 1 && num_seqs <= 65535);
   HK_REQUIRE(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0);
   HK_REQUIRE(block_size_log2 >= 0 && block_size_log2 <= 10);
   HK_REQUIRE(max_blocks_per_seq >= 1 && ((int64_t)max_blocks_per_seq << block_size_log2) < (1ll << 31));
   HK_REQUIRE(num_partitions >= 1 && num_partitions <= 65535 && partition_size >= 1);
   HK_REQUIRE(num_partitions == 1 || (part_o && part_ml));
+  HK_REQUIRE(split_target >= 0 && num_seqs + split_target <= 65535);
+  HK_REQUIRE(split_target == 0 || (kernel >= 1 && part_o && part_ml && seq_parts));
   HK_TRY(hk::use_device(device));
   const Params p{q, q_stride_s, q_stride_h, k, v, kv_stride_block, kv_stride_tok, kv_stride_head,
                  block_tables, bt_stride, context_lens, out, lse, part_o, part_ml, num_q_heads,
                  num_q_heads / num_kv_heads, block_size_log2, num_partitions, partition_size,
-                 max_blocks_per_seq, num_blocks, scale * hk::kLog2e};
+                 max_blocks_per_seq, num_blocks, scale * hk::kLog2e, num_seqs, split_target, seq_parts};
   hipStream_t s = static_cast<hipStream_t>(stream);
   return dispatch(kernel, heads_per_block,
                   [&](auto pick) { return decltype(pick)::launch(p, num_seqs, num_kv_heads, device, s); });

@@ -3,7 +3,10 @@
 Naive: a per-sequence torch loop (gather, matmuls in bf16), as in the reference log. SDPA gather:
 gather the paged K/V into contiguous tensors, then scaled_dot_product_attention(enable_gqa=True).
 SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes: the K/V rows actually
-read (each once), plus Q and O.
+read (each once), plus Q and O. Custom_Time_us and the per-variant columns: run_perftest (events
+around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the calls back to back in one
+CUDA graph over rotated inputs, as serving engines run decode and as the issue's peer figures were
+taken).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 import hipkern
 from hipkern.ops.paged_attention import VARIANTS, choose_variant
 from hipkern.reference import paged_attention_ref
-from hipkern.testing import BenchTable, checkAllclose, run_perftest
+from hipkern.testing import BenchTable, checkAllclose, run_graphtest, run_perftest
 
 from . import COPY_BW_TBPS
 
@@ -71,12 +74,14 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
         _, times[var] = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl, variant=var, num_iters=iters)
     chosen, _ = choose_variant(q, k, bt, "NHD")
     best = min(times, key=times.get)
+    _, graph_us = run_graphtest(hipkern.paged_attention_decode, q, k, v, bt, cl, num_iters=max(3, iters // 5))
     _, naive_us = run_perftest(paged_attention_ref, q, k, v, bt, cl, compute_dtype=q.dtype, num_iters=naive_iters,
                                num_warmup=1)
     _, gather_us = run_perftest(sdpa_gather, q, k, v, bt, n, mask, num_iters=max(3, iters // 4), num_warmup=2)
     kk, vv = gather_kv(k, v, bt, n)
     kk, vv = kk.contiguous(), vv.contiguous()
     _, contig_us = run_perftest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 4), num_warmup=2)
+    _, contig_graph_us = run_graphtest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 5))
     del kk, vv
     nbytes = sum(lens) * hkv * d * 2 * q.element_size() + 2 * q.numel() * q.element_size()
     us = times[chosen]
@@ -84,7 +89,9 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     table.add(BatchSize=len(lens), ContextLen=n if name != "mixed" else f"mixed<= {n}", NumQHeads=hq,
               NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us, Custom_Time_us=us, Speedup=naive_us / us,
               Variant=chosen, KV_MB=nbytes / 1e6, TBps=tbps, Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
-              SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Best_Variant=best, Best_us=times[best],
+              SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Graph_us=graph_us,
+              Graph_TBps=nbytes / graph_us / 1e6, SDPA_contiguous_graph_us=contig_graph_us,
+              Best_Variant=best, Best_us=times[best],
               **{f"{v}_us": times[v] for v in VARIANTS}, Check="passed" if err == 0 else "FAILED")
     return err != 0
 
@@ -92,7 +99,8 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
 def main(out_dir: Path, quick: bool = False) -> int:
     cols = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
             "Speedup", "Variant", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
-            "Best_Variant", "Best_us", *[f"{v}_us" for v in VARIANTS], "Check"]
+            "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
+            *[f"{v}_us" for v in VARIANTS], "Check"]
     table = BenchTable(cols, title="# paged_attention_decode (bf16, block 16, NHD)")
     failures = 0
     iters = 10 if quick else 50

@@ -51,10 +51,11 @@ MODULE_FAMILIES = {
             # q, q_stride_s, q_stride_h, k, v, kv_stride_block, kv_stride_tok, kv_stride_head,
             # block_tables, bt_stride, context_lens, out, lse, part_o, part_ml, num_seqs, num_q_heads,
             # num_kv_heads, block_size_log2, max_blocks_per_seq, num_blocks, num_partitions,
-            # partition_size, kernel, heads_per_block, scale, device, stream
+            # partition_size, split_target, seq_parts, kernel, heads_per_block, scale, device, stream
             ("hk_paged_attention_decode", "i32",
              ("ptr", "i64", "i64", "ptr", "ptr", "i64", "i64", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr",
-              "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+              "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "ptr", "i32", "i32", "f32",
+              "i32", "ptr")),
             # kernel, heads_per_block, device, int* blocks (out): resident blocks per SM/CU
             ("hk_paged_attention_resident_blocks", "i32", ("i32", "i32", "i32", "ptr")),
         ),

@@ -2,9 +2,11 @@
 context_lens, *, scale=None, kv_layout="NHD", out=None, return_lse=False, variant=None)``.
 
 Variants are policies over two kernels (csrc_hip/paged_attention/): "simt" (CUDA cores, lane-per-
-token QK^T, up to 8 query heads per block) and "mma" (matrix cores, the whole GQA group per block,
-K/V pipelined through shared memory); a variant picks a kernel and how the context is split across
-the grid. Every variant built so far accepts every input the op accepts.
+token QK^T, up to 8 query heads per block: v3, v9) and "mma" (matrix cores, up to the whole GQA group
+per block, K/V pipelined through shared memory: v16, v5, and in small blocks v6); a variant picks a
+kernel, its block size and how the context is split across the grid (uniform partitions planned on
+the host, or per sequence on the GPU for v5). v4 and v7 are names for v16 (ALIASES). Every variant
+accepts every input the op accepts, except: v5 at most 4096 sequences; v16/v5 head size 256 on CDNA.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 from .. import jit, tuning_db
 from ._common import DTYPE_NAMES, check_device, check_tensor, lib, module_for, on_device, raw_stream
 
-__all__ = ["paged_attention_decode", "VARIANTS", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
+__all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
 HEAD_SIZES = (64, 128, 256)
 KV_LAYOUTS = ("NHD", "HND")  # [blocks, block_size, kv_heads, D] / [blocks, kv_heads, block_size, D]
@@ -32,19 +34,24 @@ DTYPES = (torch.float16, torch.bfloat16)
 class Kernel:
     code: int  # the module's `kernel` argument
     tile: callable  # wave size -> tokens a block takes per step (partitions are whole tiles)
-    heads_per_block: callable  # GQA group -> query heads per block
+    heads_per_block: callable  # GQA group -> query heads per block (the default)
+    block_heads: tuple  # the heads-per-block instantiations the module has
 
 
 KERNELS = {
-    "simt": Kernel(0, lambda wave: 4 * wave, lambda group: min(8, 1 << (group - 1).bit_length())),  # decode_simt.h
-    "mma": Kernel(1, lambda wave: 64, lambda group: min(64, max(16, 1 << (group - 1).bit_length()))),  # decode_mma.h
+    "simt": Kernel(0, lambda wave: 4 * wave, lambda group: min(8, 1 << (group - 1).bit_length()),
+                   (1, 2, 4, 8)),  # decode_simt.h
+    "mma": Kernel(1, lambda wave: 64, lambda group: min(64, max(16, 1 << (group - 1).bit_length())),
+                  (16, 32, 64)),  # decode_mma.h
+    "mma_small": Kernel(2, lambda wave: 32, lambda group: 16, (16,)),  # decode_mma.h, 2 waves, 32-token tiles
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    num_partitions: int
-    partition_size: int  # tokens
+    num_partitions: int  # per_sequence: the split target (see _plan_per_sequence)
+    partition_size: int  # tokens (per_sequence: 0, the GPU sizes partitions)
+    per_sequence: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +78,56 @@ class Shape:
         return self.num_seqs * self.num_kv_heads * math.ceil(self.group / self.heads_per_block)
 
 
+def heads_per_block(variant: Variant, group: int, params: dict) -> int:
+    """Query heads one block takes: the `heads_per_block` parameter if given (a size the kernel has,
+    at most its default for this group: a smaller one splits the group over several blocks, each
+    reading the group's K/V), else the kernel's default for the group."""
+    kernel = KERNELS[variant.kernel]
+    default = kernel.heads_per_block(group)
+    want = params.get("heads_per_block")
+    if want is None:
+        return default
+    allowed = [h for h in kernel.block_heads if h <= default]
+    if want not in allowed:
+        raise ValueError(f"heads_per_block for variant {variant.name} with GQA group {group} must be one of "
+                         f"{allowed}, got {want}")
+    return want
+
+
+def with_heads(variant: Variant, params: dict, num_seqs: int, num_q_heads: int, num_kv_heads: int, max_tokens: int,
+               sm_count: int) -> dict:
+    """`params` with heads_per_block chosen when not given: the matrix-core kernel splits a large GQA
+    group (> 16 heads) over several blocks when the work is too small to give every SM a block of the
+    whole group (measured on the H100, head 256, group 64: 16-head blocks are 1.2-1.7x faster up to
+    ~1 tile per SM, 32-head blocks up to ~2, whole groups beyond)."""
+    group = num_q_heads // num_kv_heads
+    if "heads_per_block" in params or variant.kernel != "mma" or group <= 16:
+        return params
+    units = num_seqs * num_kv_heads * math.ceil(max_tokens / KERNELS["mma"].tile(32))  # 64-token tiles
+    default = KERNELS["mma"].heads_per_block(group)
+    hpb = 16 if units <= sm_count else 32 if units <= 2 * sm_count else default
+    return {**params, "heads_per_block": min(hpb, default)}
+
+
 def make_shape(variant: Variant, num_seqs, num_q_heads, num_kv_heads, max_tokens, sm_count, wave_size,
-               resident=1) -> Shape:
+               resident=1, params=None) -> Shape:
     """The launch geometry `variant`'s plan sees (for the op, the tuner and the benchmark)."""
     kernel = KERNELS[variant.kernel]
     group = num_q_heads // num_kv_heads
     return Shape(num_seqs, num_kv_heads, group, max_tokens, sm_count, kernel.tile(wave_size),
-                 kernel.heads_per_block(group), resident)
+                 heads_per_block(variant, group, params or {}), resident)
 
 
-def resident_for(dtype: str, head_size: int, variant: str, group: int, device: int) -> int:
+def resident_for(dtype: str, head_size: int, variant: str, group: int, device: int, params=None) -> int:
     """resident_blocks of `variant`'s kernel for a shape (builds/loads its module)."""
     var = VARIANTS[variant]
     mod = module_for("paged_attention", device, dtype=dtype, head_size=head_size)
-    return resident_blocks(mod, var.kernel, KERNELS[var.kernel].heads_per_block(group), device)
+    return resident_blocks(mod, var.kernel, heads_per_block(var, group, params or {}), device)
+
+
+def plan_of(variant: Variant, shape: Shape, params: dict) -> "Plan":
+    """The variant's plan for `shape` (heads_per_block, already in the shape, is no plan parameter)."""
+    return variant.plan(shape, **{k: v for k, v in params.items() if k != "heads_per_block"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,6 +174,21 @@ def _plan_balanced(shape: Shape, partition_size: int = 0, block_cost: int = 64, 
     return _split(shape, best[1])
 
 
+MAX_PER_SEQUENCE_SEQS = 4096  # v5: every block scans all context lengths for its plan
+
+
+def _plan_per_sequence(shape: Shape, blocks_per_slot: int = 1, partition_size: int = 128) -> Plan:
+    """v5: the split is made on the GPU from the context lengths. Every sequence's partitions hold
+    c = ceil(all tiles / T) tiles, T = `blocks_per_slot` x the SMs' slots / blocks per item (KV heads x
+    head groups), and at least `partition_size` tokens: a long sequence among short ones is split, the
+    short ones are not, and the launch has about blocks_per_slot x slots blocks of equal work whatever
+    the lengths."""
+    per_item = shape.blocks // shape.num_seqs
+    target = max(1, math.ceil(blocks_per_slot * shape.sm_count * shape.resident / per_item))
+    smallest = min(MAX_TOKENS, max(1, math.ceil(partition_size / shape.tile)) * shape.tile)
+    return Plan(min(target, 65535 - shape.num_seqs), smallest, per_sequence=True)
+
+
 VARIANTS = {
     "v3": Variant("v3", "hybrid split-K: flash-decoding partitions of <= 512 tokens, smaller for small "
                   "batches (~4 blocks per SM), merged by LSE; a single pass when one covers the context",
@@ -140,6 +198,12 @@ VARIANTS = {
     "v16": Variant("v16", "matrix cores: the whole GQA group (16-row tiles) against K/V tiles of 64 tokens "
                    "pipelined through shared memory; partitions from a cost model of the SMs' slots "
                    "(_plan_balanced)", _plan_balanced, kernel="mma"),
+    "v6": Variant("v6", "occupancy: v16's kernel in small blocks (2 waves, 16 query heads, 32-token tiles, 2 "
+                  "stages: about a third of the shared memory, 2-3x the blocks per SM) for large batches; "
+                  "partitions as v16 (_plan_balanced)", _plan_balanced, kernel="mma_small"),
+    "v5": Variant("v5", "v16's kernel, split per sequence on the GPU: partitions of equal work sized from "
+                  "the batch's context lengths, so long sequences are split and short ones are not "
+                  "(_plan_per_sequence)", _plan_per_sequence, kernel="mma"),
 }
 
 # Tuning-database schema (hipkern/tuning_db.py): the batch and context buckets are powers of two;
@@ -149,10 +213,15 @@ tuning_db.register(tuning_db.Schema(
     op="paged_attention",
     exact_keys=("dtype", "head_size", "block_size", "num_q_heads", "num_kv_heads", "kv_layout"),
     bucket_keys=("batch", "context"),
-    param_keys=("partition_size",),
+    param_keys=("partition_size", "heads_per_block", "blocks_per_slot"),
     variants=frozenset(VARIANTS),
-    param_ranges={"partition_size": (1, MAX_TOKENS)}))
-PLANNED = ("v4", "v5", "v6", "v7")  # named by the design, not built yet
+    param_ranges={"partition_size": (1, MAX_TOKENS), "heads_per_block": (1, MAX_GQA), "blocks_per_slot": (1, 64)}))
+# Names of the design that measured as v16 itself (NOTES.md, version 11), kept so that they run:
+#   v4 (a fast path for full tiles without bounds checks, a safe one for the tail): v16 copies full and
+#      partial tiles with the same cp.async (masked rows zero-filled by it at no cost) and masks scores
+#      per tile; compiled without the mask it ran within 0.3 us (< 1 %) of itself on full-length shapes;
+#   v7 (16-byte loads for every head size through one lane mapping): v16's staging is exactly that.
+ALIASES = {"v4": "v16", "v7": "v16"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,8 +284,10 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if variant is not None and variant not in VARIANTS:
-        planned = f" ({variant} is designed but not built yet)" if variant in PLANNED else ""
-        raise ValueError(f"variant must be None or one of {sorted(VARIANTS)}, got {variant!r}{planned}")
+        raise ValueError(f"variant must be None or one of {sorted(VARIANTS) + sorted(ALIASES)}, got {variant!r}")
+    if variant is not None and VARIANTS[variant].plan is _plan_per_sequence and query.shape[0] > MAX_PER_SEQUENCE_SEQS:
+        raise ValueError(f"variant {variant} supports at most {MAX_PER_SEQUENCE_SEQS} sequences, query has "
+                         f"{query.shape[0]}: use v16")
     if out is not None:
         check_tensor("out", out, dtypes=(query.dtype,), shape=tuple(query.shape), gpu=False)
     dev = query.device
@@ -245,22 +316,33 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         if c.data_ptr() % 16:  # here, not in _validate: data pointers do not exist while tracing
             raise ValueError(f"{name} must start at a 16-byte aligned address")
+    if out.data_ptr() % (4 * out.element_size()):  # written 4 elements at a time
+        raise ValueError(f"out must start at a {4 * out.element_size()}-byte aligned address")
     dev = query.get_device()
     mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
     params = {}
     if not variant:
         variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, block_tables.shape[1] * bs)
+    if VARIANTS[variant].plan is _plan_per_sequence and num_seqs > MAX_PER_SEQUENCE_SEQS:  # a nearest row's choice
+        variant, params = "v16", {}
     var = VARIANTS[variant]
     kernel = KERNELS[var.kernel]
     if var.kernel == "mma" and head_size == 256 and mod.wave_size() == 64:
         raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
                          f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
     group = num_q_heads // hkv
-    shape = make_shape(var, num_seqs, num_q_heads, hkv, block_tables.shape[1] * bs, _sm_count(dev), mod.wave_size(),
-                       resident_blocks(mod, var.kernel, kernel.heads_per_block(group), dev))
+    max_tokens = block_tables.shape[1] * bs
+    params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, _sm_count(dev))
+    shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, _sm_count(dev), mod.wave_size(),
+                       resident_blocks(mod, var.kernel, heads_per_block(var, group, params), dev), params)
     plan = _plan(variant, shape, tuple(sorted(params.items())))
-    part_o = part_ml = None
-    if plan.num_partitions > 1:  # sized from shapes only: capturable in a CUDA graph
+    part_o = part_ml = seq_parts = None
+    if plan.per_sequence:  # sized from shapes only: capturable in a CUDA graph
+        items = num_seqs + plan.num_partitions
+        part_o = torch.empty((items, num_q_heads, head_size), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((items, num_q_heads, 2), dtype=torch.float32, device=query.device)
+        seq_parts = torch.empty((num_seqs, 2), dtype=torch.int32, device=query.device)
+    elif plan.num_partitions > 1:
         part_o = torch.empty((num_seqs, num_q_heads, plan.num_partitions, head_size), dtype=torch.float32,
                              device=query.device)
         part_ml = torch.empty((num_seqs, num_q_heads, plan.num_partitions, 2), dtype=torch.float32,
@@ -270,8 +352,9 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
         lse.data_ptr() if lse.numel() else None, part_o.data_ptr() if part_o is not None else None,
         part_ml.data_ptr() if part_ml is not None else None, num_seqs, num_q_heads, hkv, bs.bit_length() - 1,
-        block_tables.shape[1], nb, plan.num_partitions, plan.partition_size, kernel.code, shape.heads_per_block,
-        scale, dev, raw_stream(dev))
+        block_tables.shape[1], nb, 1 if plan.per_sequence else plan.num_partitions, plan.partition_size,
+        plan.num_partitions if plan.per_sequence else 0, seq_parts.data_ptr() if seq_parts is not None else None,
+        kernel.code, shape.heads_per_block, scale, dev, raw_stream(dev))
     if rc:
         mod.check(rc, "paged_attention_decode")
 
@@ -286,7 +369,7 @@ def _fake(query, key_cache, value_cache, block_tables, context_lens, scale, kv_l
 
 @functools.lru_cache(maxsize=4096)
 def _plan(variant: str, shape: Shape, params: tuple) -> Plan:
-    return VARIANTS[variant].plan(shape, **dict(params))
+    return plan_of(VARIANTS[variant], shape, dict(params))
 
 
 # The default without a tuning-database row: v16 (fastest or within a few us of the best on every
@@ -333,11 +416,12 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
         out: optional output [num_seqs, num_q_heads, head_size] (query's dtype), written in place.
         return_lse: also return the natural-log LSE of each (sequence, head), float32.
         variant: None (the tuning database's choice for this shape, else the heuristic default) or
-            one of VARIANTS (with its default parameters).
+            one of VARIANTS (with its default parameters), or a name of ALIASES (the variant it is).
 
     Returns out, or (out, lse). fp32 accumulation; num_q_heads / num_kv_heads from 1 to 64. No host
     sync and workspaces sized from shapes only: safe under CUDA-graph capture and torch.compile.
     """
+    variant = ALIASES.get(variant, variant)
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
               variant)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

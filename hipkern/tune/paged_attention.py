@@ -31,7 +31,11 @@ PARAM_GRID = {
     "v3": {"partition_size": [256, 1024, 2048, 4096, 8192, 16384, 65536]},
     "v9": {"partition_size": [128, 256, 1024, 2048, 4096, 8192]},
     "v16": {"partition_size": [256, 512, 2048, 4096, 8192, 65536]},
+    "v5": {"blocks_per_slot": [2, 3], "partition_size": [64, 256, 512]},
+    "v6": {"partition_size": [64, 256, 512, 2048, 65536]},
 }
+# Parameter combinations tried as well (GQA groups above 16: the group split over blocks, small splits).
+COMBOS = {"v16": [{"heads_per_block": h, "partition_size": p} for h in (16, 32) for p in (64, 128, 256, 512)]}
 FILL_BLOCKS_PER_SM = 64
 POOL_MAX_BYTES = 8 << 30  # K and V together; also at most a quarter of the GPU's memory
 POOL_MIN_BYTES = 1 << 30
@@ -113,13 +117,22 @@ class PagedAttentionTuner:
         for v in names:
             var = pa.VARIANTS[v]
             group = s["num_q_heads"] // s["num_kv_heads"]  # the op's plans see its kernel's real occupancy
-            resident = (pa.resident_for(s["dtype"], s["head_size"], v, group, torch.cuda.current_device())
-                        if torch.cuda.is_available() else 1)  # a dry run without a GPU plans with 1
-            geo = pa.make_shape(var, s["batch"], s["num_q_heads"], s["num_kv_heads"], max_tokens, info["cu_count"],
-                                info["wave"], resident)
             grid = PARAM_GRID.get(v, {})
-            for cand in [Candidate(v)] + [Candidate.of(v, **{p: x}) for p, xs in grid.items() for x in xs]:
-                yield cand, (var.kernel, geo.heads_per_block, var.plan(geo, **cand.kwargs)), geo.blocks
+            cands = [Candidate(v)] + [Candidate.of(v, **{p: x}) for p, xs in grid.items() for x in xs]
+            cands += [Candidate.of(v, **combo) for combo in COMBOS.get(v, ())]
+            for cand in cands:
+                params = pa.with_heads(var, cand.kwargs, s["batch"], s["num_q_heads"], s["num_kv_heads"],
+                                       max_tokens, info["cu_count"])
+                try:
+                    pa.heads_per_block(var, group, params)
+                except ValueError:  # a heads-per-block size this group cannot take
+                    continue
+                resident = (pa.resident_for(s["dtype"], s["head_size"], v, group, torch.cuda.current_device(),
+                                            params)
+                            if torch.cuda.is_available() else 1)  # a dry run without a GPU plans with 1
+                geo = pa.make_shape(var, s["batch"], s["num_q_heads"], s["num_kv_heads"], max_tokens,
+                                    info["cu_count"], info["wave"], resident, params)
+                yield cand, (var.kernel, geo.heads_per_block, pa.plan_of(var, geo, params)), geo.blocks
 
     def candidates(self, s, info) -> Pruned:
         items = list(self._launches(s, info))

@@ -31,4 +31,28 @@ int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int 
   return 0;
 }
 
+// Launch `kernel` after the work before it in `stream`, allowed to start early where the target has
+// programmatic dependent launch (CUDA, sm_90: the kernel must call griddep_wait() before it reads what
+// the previous kernel writes); a plain launch elsewhere. Returns the launch's error.
+template <typename... Params, typename... Args>
+hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
+                            Args... args) {
+#if defined(HK_PLATFORM_CUDA)
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+#else
+  hipLaunchKernelGGL(kernel, grid, block, smem, stream, args...);
+  return hipGetLastError();
+#endif
+}
+
 }  // namespace hk

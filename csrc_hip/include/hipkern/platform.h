@@ -180,6 +180,21 @@ HK_DEVICE void async_copy_wait_pending() {
 #endif
 }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere): a kernel launched by launch_dependent()
+// (launch.h) may start while the kernel before it in the stream still runs; griddep_wait() blocks
+// until that kernel has finished and its writes are visible. A kernel may call
+// griddep_launch_dependents() to let the next one start before it ends.
+HK_DEVICE void griddep_wait() {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+HK_DEVICE void griddep_launch_dependents() {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 HK_DEVICE lanemask_t ballot(bool pred) {
 #if defined(HK_PLATFORM_HIP)
   return __ballot(pred);
