@@ -3,7 +3,8 @@
 Naive: a per-sequence torch loop (gather, matmuls in bf16), as in the reference log. SDPA gather:
 gather the paged K/V into contiguous tensors, then scaled_dot_product_attention(enable_gqa=True).
 SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes: the K/V rows actually
-read (each once), plus Q and O. Custom_Time_us and the per-variant columns: run_perftest (events
+read (each once), plus Q and O. Custom_Time_us: variant=None (the tuning database's choice, Variant, with
+its parameters); it and the per-variant columns (defaults): run_perftest (events
 around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the calls back to back in one
 CUDA graph over rotated inputs, as serving engines run decode and as the issue's peer figures were
 taken).
@@ -72,8 +73,10 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
         o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=var)
         err = max(err, checkAllclose(o, out, atol=8e-3, rtol=8e-3, msg=f"{name} {var} ", printLog=False))
         _, times[var] = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl, variant=var, num_iters=iters)
-    chosen, _ = choose_variant(q, k, bt, "NHD")
+    chosen, params = choose_variant(q, k, bt, "NHD")
+    chosen += "".join(f"[{k}={v}]" for k, v in sorted(params.items()))
     best = min(times, key=times.get)
+    _, custom_us = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl, num_iters=iters)  # variant=None
     _, graph_us = run_graphtest(hipkern.paged_attention_decode, q, k, v, bt, cl, num_iters=max(3, iters // 5))
     _, naive_us = run_perftest(paged_attention_ref, q, k, v, bt, cl, compute_dtype=q.dtype, num_iters=naive_iters,
                                num_warmup=1)
@@ -84,7 +87,7 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     _, contig_graph_us = run_graphtest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 5))
     del kk, vv
     nbytes = sum(lens) * hkv * d * 2 * q.element_size() + 2 * q.numel() * q.element_size()
-    us = times[chosen]
+    us = custom_us
     tbps = nbytes / us / 1e6
     table.add(BatchSize=len(lens), ContextLen=n if name != "mixed" else f"mixed<= {n}", NumQHeads=hq,
               NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us, Custom_Time_us=us, Speedup=naive_us / us,
