@@ -75,19 +75,21 @@ HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, 
   __shared__ int found[3];
   const int per = (p.num_seqs + kThreads - 1) / kThreads;  // sequences per thread, in order
   const int s0 = threadIdx.x * per, s1 = min(p.num_seqs, s0 + per);
+  auto tiles_of = [&](int s) { return (context_len(p, s) + kTile - 1) / kTile; };
   int tiles = 0;
-  for (int s = s0; s < s1; ++s) tiles += (context_len(p, s) + kTile - 1) / kTile;
+  for (int s = s0; s < s1; ++s) tiles += tiles_of(s);
   int total;
   block_exclusive_sum<kThreads>(tiles, scratch, total);
   const int c = max((p.partition_size + kTile - 1) / kTile, (total + p.split_target - 1) / p.split_target);
+  auto parts_of = [&](int s) { return max(1, (tiles_of(s) + c - 1) / c); };
   int n = 0;
-  for (int s = s0; s < s1; ++s) n += max(1, ((context_len(p, s) + kTile - 1) / kTile + c - 1) / c);
+  for (int s = s0; s < s1; ++s) n += parts_of(s);
   int first = block_exclusive_sum<kThreads>(n, scratch, total);
   if (threadIdx.x == 0) found[0] = -1;
   __syncthreads();
   if (item >= first && item < first + n) {  // this thread's sequences hold the item
     for (int s = s0; s < s1; ++s) {
-      const int ns = max(1, ((context_len(p, s) + kTile - 1) / kTile + c - 1) / c);
+      const int ns = parts_of(s);
       if (item < first + ns) {
         found[0] = s;
         found[1] = item - first;

@@ -91,14 +91,16 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     }
   }
   const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
+  // Each thread's j-th 16-byte K (and V) copy of a tile is chunk copy_chunk(j) of row copy_row(j).
+  auto copy_row = [](int j) { return (int)(threadIdx.x + j * C::kThreads) / C::kChunks; };
+  auto copy_chunk = [](int j) { return (int)(threadIdx.x + j * C::kThreads) % C::kChunks; };
   // The first tiles' row offsets, read before the context length is known (masked by it below).
   constexpr int kAhead = C::kStages > 1 ? C::kStages - 1 : 1;
   int64_t ahead[kAhead][C::kCopies];
 #pragma unroll
   for (int s = 0; s < kAhead; ++s)
 #pragma unroll
-    for (int j = 0; j < C::kCopies; ++j)
-      ahead[s][j] = token_offset(p, bt, start + s * C::kTile + (int)(threadIdx.x + j * C::kThreads) / C::kChunks);
+    for (int j = 0; j < C::kCopies; ++j) ahead[s][j] = token_offset(p, bt, start + s * C::kTile + copy_row(j));
   if (work.skip) {
     async_copy_wait();
     return;
@@ -126,10 +128,10 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     T* vs = v_s + buf * C::kTile * C::kLd;
     int64_t off[C::kCopies];  // all offsets first: one latency, not kCopies
 #pragma unroll
-    for (int j = 0; j < C::kCopies; ++j) off[j] = offset(j, (threadIdx.x + j * C::kThreads) / C::kChunks);
+    for (int j = 0; j < C::kCopies; ++j) off[j] = offset(j, copy_row(j));
 #pragma unroll
     for (int j = 0; j < C::kCopies; ++j) {
-      const int i = threadIdx.x + j * C::kThreads, r = i / C::kChunks, c = i % C::kChunks;
+      const int r = copy_row(j), c = copy_chunk(j);
       const int64_t src = (off[j] < 0 ? 0 : off[j]) + c * C::kVec;
       async_copy16_or_zero(ks + r * C::kLd + c * C::kVec, kbase + src, off[j] >= 0);
       async_copy16_or_zero(vs + r * C::kLd + c * C::kVec, vbase + src, off[j] >= 0);

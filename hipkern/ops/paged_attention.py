@@ -60,6 +60,7 @@ class Variant:
     idea: str
     plan: callable  # (Shape, **params) -> Plan; params: partition_size (the largest partition)
     kernel: str = "simt"  # a key of KERNELS
+    max_seqs: int = 65535  # the most sequences it takes (the op's own limit by default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +204,7 @@ VARIANTS = {
                   "partitions as v16 (_plan_balanced)", _plan_balanced, kernel="mma_small"),
     "v5": Variant("v5", "v16's kernel, split per sequence on the GPU: partitions of equal work sized from "
                   "the batch's context lengths, so long sequences are split and short ones are not "
-                  "(_plan_per_sequence)", _plan_per_sequence, kernel="mma"),
+                  "(_plan_per_sequence)", _plan_per_sequence, kernel="mma", max_seqs=MAX_PER_SEQUENCE_SEQS),
 }
 
 # Tuning-database schema (hipkern/tuning_db.py): the batch and context buckets are powers of two;
@@ -285,8 +286,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         raise ValueError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be None or one of {sorted(VARIANTS) + sorted(ALIASES)}, got {variant!r}")
-    if variant is not None and VARIANTS[variant].plan is _plan_per_sequence and query.shape[0] > MAX_PER_SEQUENCE_SEQS:
-        raise ValueError(f"variant {variant} supports at most {MAX_PER_SEQUENCE_SEQS} sequences, query has "
+    if variant is not None and query.shape[0] > VARIANTS[variant].max_seqs:
+        raise ValueError(f"variant {variant} supports at most {VARIANTS[variant].max_seqs} sequences, query has "
                          f"{query.shape[0]}: use v16")
     if out is not None:
         check_tensor("out", out, dtypes=(query.dtype,), shape=tuple(query.shape), gpu=False)
@@ -323,7 +324,7 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
     params = {}
     if not variant:
         variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, block_tables.shape[1] * bs)
-    if VARIANTS[variant].plan is _plan_per_sequence and num_seqs > MAX_PER_SEQUENCE_SEQS:  # a nearest row's choice
+    if num_seqs > VARIANTS[variant].max_seqs:  # a (nearest) database row's choice
         variant, params = "v16", {}
     var = VARIANTS[variant]
     kernel = KERNELS[var.kernel]
