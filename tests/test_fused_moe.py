@@ -76,19 +76,19 @@ def reference(x, w1, w2, w, ids, activation="silu", expert_map=None):
     return fused_moe_ref(x, w1, w2, w, ids, activation, expert_map, torch.float64, inter)
 
 
-def run_and_check(x, w1, w2, w, ids, activation="silu", expert_map=None, block_m=None, msg=""):
+def run_and_check(x, w1, w2, w, ids, activation="silu", expert_map=None, block_m=None, msg="", variant=None):
     """fused_moe into a NaN-poisoned out=, against the reference; the functional call (out=None) must
     give the same bits. Returns the output."""
     out = poison(torch.empty_like(x))
     res = hipkern.fused_moe(x, w1, w2, w, ids, activation=activation, expert_map=expert_map, out=out,
-                            block_m=block_m)
+                            block_m=block_m, variant=variant)
     assert res is out
     ref = reference(x, w1, w2, w, ids, activation, expert_map)
     tag = f"{msg}{str(x.dtype)[6:]} T={x.shape[0]} D={x.shape[1]} I={w2.shape[2]} E={w1.shape[0]} " \
-          f"k={ids.shape[1]} {activation} block_m={block_m} "
+          f"k={ids.shape[1]} {activation} block_m={block_m} variant={variant} "
     assert checkAllclose(res, ref, msg=tag, **TOL[x.dtype]) == 0
     functional = hipkern.fused_moe(x, w1, w2, w, ids, activation=activation, expert_map=expert_map,
-                                   block_m=block_m)
+                                   block_m=block_m, variant=variant)
     assert functional.shape == x.shape and functional.dtype == x.dtype and functional.device == x.device
     assert torch.equal(functional, res), "out= and the functional call differ"
     return res
@@ -268,6 +268,63 @@ def test_duplicate_ids_in_a_row_are_summed(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [8, 16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_variant(dtype, block_m):
+    """The one-launch decode variant (routing in every block, a grid barrier before the combine) and
+    the grouped chain on the same inputs, up to its 32 pairs: one token at top-8, pairs piled onto one
+    expert (several m-blocks), repeated ids, remote and all-remote experts, a long reduction (split
+    K), one pair. Consecutive calls with new routing check that its counters are left at zero."""
+    e = 64
+    w1, w2 = make_weights(e, **ODD, dtype=dtype, seed=block_m)
+    emap, w1l, w2l, remote = half_remote(e, w1, w2, seed=block_m)
+    cases = [
+        (1, uniform_ids(1, 8, e, 1), None),
+        (4, uniform_ids(4, 8, e, 2), None),
+        (32, torch.full((32, 1), 63, dtype=torch.int32, device="cuda"), None),  # one expert, 32 rows
+        (16, torch.tensor([[3, 3]], dtype=torch.int32, device="cuda").repeat(16, 1), None),
+        (3, torch.randint(0, e, (3, 9), generator=_gen(5), device="cuda", dtype=torch.int32), None),
+        (1, torch.tensor([[0]], dtype=torch.int32, device="cuda"), None),
+        (4, uniform_ids(4, 8, e, 3), emap),
+        (2, remote[:16].view(2, 8).to(torch.int32), emap),  # every pair remote: zeros
+    ]
+    for t, ids, m in cases:
+        x, w = make_tokens(t, ODD["d"], dtype, t), routing_weights(t, ids.shape[1], t)
+        a, b = (w1, w2) if m is None else (w1l, w2l)
+        got = run_and_check(x, a, b, w, ids, expert_map=m, block_m=block_m, variant="decode")
+        grouped = run_and_check(x, a, b, w, ids, expert_map=m, block_m=block_m, variant="grouped")
+        assert checkAllclose(got, grouped, msg="decode vs grouped ", **TOL[dtype]) == 0
+        if m is not None and t == 2:
+            assert (got == 0).all()
+    t, d, i = 2, 4096, 256  # few items over a long reduction: the gated GEMM splits K
+    x, w1, w2, w, ids = make_case(t, d, i, 8, 2, dtype, seed=3)
+    first = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="decode")
+    for _ in range(5):
+        assert torch.equal(hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant="decode"), first)
+
+
+@pytest.mark.gpu
+def test_decode_variant_under_graph_capture():
+    t, e, k = 4, 64, 8
+    x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    hipkern.fused_moe(x, w1, w2, w, ids, out=out, variant="decode")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hipkern.fused_moe(x, w1, w2, w, ids, out=out, variant="decode")
+    for seed in range(1, 4):
+        x.copy_(make_tokens(t, SMALL["d"], torch.bfloat16, seed))
+        w.copy_(routing_weights(t, k, seed))
+        ids.copy_(uniform_ids(t, k, e, seed) if seed != 2 else torch.full_like(ids, 9))
+        poison(out)
+        g.replay()
+        torch.cuda.synchronize()
+        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"decode replay {seed} ",
+                             **TOL[torch.bfloat16]) == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_graph_capture_and_replay_with_new_routing(dtype):
     t, e, k = 129, 64, 8
@@ -439,6 +496,10 @@ BAD = [
     ({}, dict(block_m=24), "block_m"),
     ({}, dict(block_m=True), "block_m"),
     ({}, dict(block_m=16.0), "block_m"),
+    ({}, dict(variant="v1"), "variant"),
+    ({}, dict(variant=1), "variant"),
+    (_cpu_case(t=9, k=4), dict(variant="decode"), "variant='decode' takes at most 32"),
+    ({}, dict(variant="decode", block_m=128), "variant='decode' takes block_m up to 64"),
     ({}, dict(expert_map=torch.zeros(4, dtype=torch.int64)), "expert_map"),
     ({}, dict(expert_map=torch.zeros(4)), "expert_map"),
     ({}, dict(expert_map=torch.zeros(2, 2, dtype=torch.int32)), "expert_map"),

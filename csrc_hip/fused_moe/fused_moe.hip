@@ -1,13 +1,14 @@
 // Fused MoE: out[t] = sum_j w[t, j] * w2[e] (act(w1[e, :I] x_t) * (w1[e, I:] x_t)), e = ids[t, j].
 //
-// After moe_sorting (its own module, called first by the op) three launches:
+// Variant "grouped": after moe_sorting (its own module, called first by the op) three launches:
 //   gemm_kernel<Gated>  inter[p] = act(gate) * up for every routed pair p (rounded to T)
 //   gemm_kernel<down>   y[p] = w[p] * (w2[e] inter[p]), fp32
 //   combine_kernel      out[t] = sum over t's routed pairs of y, in slot order (deterministic: no
 //                       float atomics anywhere)
+// Variant "decode" (decode.h): the same work, routing and combine included, in one launch.
 // gemm.h has the work plan and pipeline, math.h the arithmetic: matrix cores for fp16/bf16, FMAs
 // for fp32. One module per (dtype, block_m).
-#include "gemm.h"
+#include "decode.h"
 
 #ifndef HK_DTYPE
 #error "build with -DHK_DTYPE=<hk::DType> and -DHK_BLOCK_M=<8|16|32|64|128>"
@@ -54,114 +55,130 @@ template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64
 template <> struct Tiles<float, 64> { typedef SimtMath<1, kSimtWK, 64, 64, 3> Gate, Down; };  // 2 rows: spills
 typedef typename Tiles<T, BM>::Gate M1;
 typedef typename Tiles<T, BM>::Down M2;
+constexpr bool kHasDecode = BM <= hk::fused_moe::kDecodeMaxBlockM;
+
+// The decode variant where this block_m has one (templates, so that the other branch is never
+// instantiated).
+template <bool kOn = kHasDecode>
+int decode_workspace_here(int device, int64_t* partial_floats, int64_t* counter_ints) {
+  *partial_floats = *counter_ints = 0;
+  if constexpr (kOn) return hk::fused_moe::decode_workspace<T, M1, M2, BM>(device, partial_floats, counter_ints);
+  return 0;
+}
+template <bool kOn = kHasDecode>
+int launch_decode_here(const hk::fused_moe::GemmParams& g1, const hk::fused_moe::GemmParams& g2,
+                       const hk::fused_moe::DecodeArgs& d, float* partials, int* counters, int device, hipStream_t s) {
+  if constexpr (kOn) return hk::fused_moe::launch_decode<T, M1, M2, BM>(g1, g2, d, partials, counters, device, s);
+  return hk::set_invalid("fused_moe: the decode variant takes block_m up to 64", __FILE__, __LINE__);
+}
 
 constexpr int kCombineThreads = 256;
 
-// out[t][4c .. 4c + 3] over a grid-stride loop; a pair contributes when moe_sorting kept it.
 __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y, const int32_t* ids,
                                                                   const int32_t* expert_map, int num_experts,
                                                                   T* out, int64_t num_tokens, int topk, int dim) {
-  const int quads = dim / 4;
-  const int64_t n = num_tokens * quads;
-  for (int64_t i = blockIdx.x * (int64_t)kCombineThreads + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * kCombineThreads) {
-    const int64_t t = i / quads;
-    const int c = (int)(i % quads) * 4;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < topk; ++j) {
-      const int64_t pair = t * topk + j;
-      const int e = ids[pair];
-      if ((unsigned)e >= (unsigned)num_experts || (expert_map != nullptr && expert_map[e] < 0)) continue;
-      const float4 v = *reinterpret_cast<const float4*>(y + pair * dim + c);
-      acc[0] += v.x;
-      acc[1] += v.y;
-      acc[2] += v.z;
-      acc[3] += v.w;
-    }
-    hk::store_from_float<T, 4>(out + t * dim + c, acc);
-  }
+  hk::griddep_wait();  // y comes from the down GEMM
+  hk::fused_moe::combine_rows<T, kCombineThreads>(y, ids, expert_map, num_experts, out, num_tokens, topk, dim);
 }
 }  // namespace
 
-// Workspace of hk_fused_moe on `device` (the same for any shape): floats of split-K partials and
-// ints of counters (which must be zero before the first call; every call leaves them zero).
+// Workspace of hk_fused_moe on `device` (the same for any shape and variant): floats of split-K
+// partials and ints of counters (which must be zero before the first call; every call leaves them zero).
 HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
   HK_TRY(hk::use_device(device));
-  int64_t f1, c1, f2, c2;
-  HK_TRY((hk::fused_moe::workspace<T, M1, BM, true>(device, &f1, &c1)));
-  HK_TRY((hk::fused_moe::workspace<T, M2, BM, false>(device, &f2, &c2)));
-  *partial_floats = f1 > f2 ? f1 : f2;
-  *counter_ints = c1 > c2 ? c1 : c2;
+  int64_t f[3], c[3];
+  HK_TRY((hk::fused_moe::workspace<T, M1, BM, true>(device, &f[0], &c[0])));
+  HK_TRY((hk::fused_moe::workspace<T, M2, BM, false>(device, &f[1], &c[1])));
+  HK_TRY(decode_workspace_here(device, &f[2], &c[2]));
+  *partial_floats = *counter_ints = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (f[i] > *partial_floats) *partial_floats = f[i];
+    if (c[i] > *counter_ints) *counter_ints = c[i];
+  }
   return 0;
 }
 
+// Variants: kGrouped, the chain moe_sorting (its own module, called first) -> gated GEMM -> down
+// GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
+// kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; it reads no sorting output.
+enum Variant { kGrouped = 0, kDecode = 1 };
+
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
 // E_global experts; expert_map [E_global] or null), sorted_ids [max_padded] / expert_ids
-// [max_padded / BM] / num_post [1] from moe_sorting with block_m = BM, inter [T * topk][I] (T),
-// y [T * topk][D] (fp32), partials / counters as hk_fused_moe_workspace says, out [T][D]. D and I multiples of 16 bytes' worth of elements, pointers
-// 16-byte aligned. activation: 0 silu, 1 gelu. Returns 0 or an error code (hk_last_error()).
+// [max_padded / BM] / num_post [1] from moe_sorting with block_m = BM (kGrouped only; null for
+// kDecode), inter [T * topk][I] (T), y [T * topk][D] (fp32), partials / counters as
+// hk_fused_moe_workspace says, out [T][D]. D and I multiples of 16 bytes' worth of elements,
+// pointers 16-byte aligned. activation: 0 silu, 1 gelu. Returns 0 or an error code (hk_last_error()).
 HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const float* topk_weights,
                            const int32_t* topk_ids, const int32_t* expert_map, const int32_t* sorted_ids,
                            const int32_t* expert_ids, const int32_t* num_post, void* inter, float* y,
                            float* partials, int* counters, void* out,
                            int num_tokens, int topk, int num_experts, int num_local_experts, int dim, int inter_dim,
-                           int max_padded, int activation, int device, void* stream) {
+                           int max_padded, int activation, int variant, int device, void* stream) {
   constexpr int kVec = 16 / (int)sizeof(T);
   HK_REQUIRE(num_tokens >= 0 && topk >= 1 && (int64_t)num_tokens * topk < (1ll << 30));
   HK_REQUIRE(num_experts >= 1 && num_local_experts >= 1);
   HK_REQUIRE(dim >= kVec && dim % kVec == 0 && inter_dim >= kVec && inter_dim % kVec == 0);
-  HK_REQUIRE(max_padded >= 0 && max_padded % BM == 0);
   HK_REQUIRE(activation == hk::fused_moe::kSilu || activation == hk::fused_moe::kGelu);
+  HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode));
+  const bool decode = variant == kDecode;
+  HK_REQUIRE(decode ? (int64_t)num_tokens * topk <= hk::fused_moe::kDecodePairs
+                    : max_padded >= 0 && max_padded % BM == 0);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
   hipStream_t s = static_cast<hipStream_t>(stream);
-  const int num_pairs = num_tokens * topk, max_mblocks = max_padded / BM;
+  const int num_pairs = num_tokens * topk, max_mblocks = decode ? hk::fused_moe::kDecodePairs : max_padded / BM;
   constexpr int kCols1 = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCols;
   constexpr int kCols2 = hk::fused_moe::GemmCfg<T, M2, BM, false>::kCols;
   HK_REQUIRE((int64_t)max_mblocks * ((dim + kCols2 - 1) / kCols2) < (1ll << 31));
 
-  hk::fused_moe::GemmParams g{};
-  g.sorted_ids = sorted_ids;
-  g.expert_ids = expert_ids;
-  g.num_post = num_post;
-  g.num_pairs = num_pairs;
-  g.max_mblocks = max_mblocks;
-  g.num_experts = num_local_experts;
-  g.activation = activation;
-  g.partials = partials;
-  g.counters = counters;
+  hk::fused_moe::GemmParams g1{};
+  g1.sorted_ids = sorted_ids;
+  g1.expert_ids = expert_ids;
+  g1.num_post = num_post;
+  g1.num_pairs = num_pairs;
+  g1.max_mblocks = max_mblocks;
+  g1.num_experts = num_local_experts;
+  g1.activation = activation;
+  g1.partials = partials;
+  g1.counters = counters;
+  hk::fused_moe::GemmParams g2 = g1;
 
-  g.x = x;  // gate/up: inter = act(w1[:I] x) * (w1[I:] x)
-  g.x_stride = dim;
-  g.x_div = topk;
-  g.w = w1;
-  g.w_stride_e = 2ll * inter_dim * dim;
-  g.K = dim;
-  g.N = inter_dim;
-  g.n_tiles = (inter_dim + kCols1 - 1) / kCols1;
-  g.out = inter;
-  g.out_stride = inter_dim;
-  HK_TRY((hk::fused_moe::launch_gemm<T, M1, BM, true>(g, device, s)));
+  g1.x = x;  // gate/up: inter = act(w1[:I] x) * (w1[I:] x)
+  g1.x_stride = dim;
+  g1.x_div = topk;
+  g1.w = w1;
+  g1.w_stride_e = 2ll * inter_dim * dim;
+  g1.K = dim;
+  g1.N = inter_dim;
+  g1.n_tiles = (inter_dim + kCols1 - 1) / kCols1;
+  g1.out = inter;
+  g1.out_stride = inter_dim;
 
-  g.x = inter;  // down: y = w * (w2 inter)
-  g.x_stride = inter_dim;
-  g.x_div = 1;
-  g.w = w2;
-  g.w_stride_e = (int64_t)dim * inter_dim;
-  g.K = inter_dim;
-  g.N = dim;
-  g.n_tiles = (dim + kCols2 - 1) / kCols2;
-  g.out = y;
-  g.out_stride = dim;
-  g.topk_weights = topk_weights;
-  HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g, device, s)));
+  g2.x = inter;  // down: y = w * (w2 inter)
+  g2.x_stride = inter_dim;
+  g2.x_div = 1;
+  g2.w = w2;
+  g2.w_stride_e = (int64_t)dim * inter_dim;
+  g2.K = inter_dim;
+  g2.N = dim;
+  g2.n_tiles = (dim + kCols2 - 1) / kCols2;
+  g2.out = y;
+  g2.out_stride = dim;
+  g2.topk_weights = topk_weights;
 
+  if (decode) {
+    hk::fused_moe::DecodeArgs d{topk_ids, expert_map, y, out, nullptr, num_tokens, topk, num_experts, dim};
+    return launch_decode_here(g1, g2, d, partials, counters, device, s);
+  }
+  HK_TRY((hk::fused_moe::launch_gemm<T, M1, BM, true>(g1, device, s)));
+  HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g2, device, s)));
   const int64_t quads = (int64_t)num_tokens * (dim / 4);
   int sms = 0;
   HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
   const int64_t want = (quads + kCombineThreads - 1) / kCombineThreads, most = 16ll * sms;
-  hipLaunchKernelGGL(combine_kernel, dim3((unsigned)(want < most ? want : most)), dim3(kCombineThreads), 0, s, y,
-                     topk_ids, expert_map, num_experts, static_cast<T*>(out), (int64_t)num_tokens, topk, dim);
-  HK_CHECK_LAUNCH("fused_moe combine_kernel");
+  HK_CHECK(hk::launch_dependent(combine_kernel, dim3((unsigned)(want < most ? want : most)), dim3(kCombineThreads), 0,
+                                s, (const float*)y, topk_ids, expert_map, num_experts, static_cast<T*>(out),
+                                (int64_t)num_tokens, topk, dim));
   return 0;
 }

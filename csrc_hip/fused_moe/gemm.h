@@ -138,20 +138,47 @@ struct Item {
   }
 };
 
-template <typename T, typename M, int BM, bool Gated>
-__global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
+// What a GEMM phase waits for and announces; the standalone launches (launch_gemm) use PdlHooks,
+// the one-launch decode kernel (decode.h) its own:
+//   wait_input()       before the first read of what the previous kernel wrote
+//   wait_item(mb)      before the first token copy of an item of m-block mb (all threads call it;
+//                      it may hold a barrier)
+//   item_done(mb)      after an item's outputs are written (every thread calls it)
+// Programmatic dependent launch (launch_dependent, sm_90; plain launches elsewhere): the gated
+// GEMM's plan reads moe_sorting's outputs, so it waits for that kernel first. The down GEMM's plan
+// reads them too, but the gated GEMM started only after they were complete (it triggers its
+// dependents after its own wait), so the down GEMM plans and streams its first weight stages while
+// the gated GEMM still runs, and waits only before it reads the intermediate.
+struct PdlHooks {
+  HK_DEVICE void wait_input() const {
+    griddep_wait();
+    griddep_launch_dependents();
+  }
+  HK_DEVICE void wait_item(int) const {}
+  HK_DEVICE void item_done(int) const {}
+};
+
+// One GEMM over the grid (both GEMMs of the op are this function): plan, pipeline, epilogues.
+template <typename T, typename M, int BM, bool Gated, typename Hooks>
+HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Hooks& hooks) {
   typedef GemmCfg<T, M, BM, Gated> C;
   constexpr int S = C::kStages, KT = C::kThreads;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   T* w_s = reinterpret_cast<T*>(smem_raw);                        // [S][kRows][kLd]
   T* x_s = reinterpret_cast<T*>(smem_raw + C::kW);                // [S][kToks][kLd]
   float* red = reinterpret_cast<float*>(smem_raw + C::kRedAt);  // [kWK][kRows][kRedLd]
   int* pair_s = reinterpret_cast<int*>(smem_raw + C::kPairsAt);  // [S][kToks]
   int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);     // split: this block's part was the last
 
+  // The down GEMM's weights never depend on the GEMM before it: its first stages are requested
+  // before waiting for it (with asynchronous copies; CDNA's single synchronous stage cannot).
+  constexpr bool kEarlyWeights = !Gated && S > 1;
+  if (!kEarlyWeights) hooks.wait_input();
   const int G = gridDim.x, KS = (p.K + M::kBK - 1) / M::kBK;  // k-stages of a whole item
   const Plan pl = plan(p, BM, KS, G);
-  if ((int)blockIdx.x >= pl.items) return;
+  if ((int)blockIdx.x >= pl.items) {
+    if (kEarlyWeights) hooks.wait_input();  // every block waits: this grid's end implies the previous one's
+    return;
+  }
   const int total = ((pl.items - 1 - (int)blockIdx.x) / G + 1) * pl.kss;  // this block's stages
 
   // The loader runs kStages - 1 stages ahead; it fetches an item's metadata one item ahead too.
@@ -189,7 +216,8 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
     }
   };
 
-  auto load = [&](int g) {  // every thread: its share of stage g's weight and token chunks (g: ld's)
+  // Every thread: its share of stage g's weight chunks (wgt) and token chunks (tok); g: ld's stage.
+  auto load = [&](int g, bool wgt, bool tok) {
     const int item = ld.item, slot = g % S, kc = ld.kc0 + ld.kp;  // kc: k-stage within the whole item
     ld.advance(pl, G);
     if (item != cur_item) {
@@ -197,12 +225,14 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
       cur_item = item;
       if (item + G < pl.items) nxt.fetch(p, pl, item + G, BM);
       bind();
+      if (tok) hooks.wait_item(cur.mb);
     }
     if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
     const int k0 = kc * M::kBK;
     T* ws = w_s + slot * M::kRows * M::kLd;
 #pragma unroll
     for (int j = 0; j < C::kWCopies; ++j) {
+      if (!wgt) break;
       const int i = threadIdx.x + j * KT, r = i / C::kChunks, c = i % C::kChunks;
       if (C::kWCopies * KT != M::kRows * C::kChunks && r >= M::kRows) break;
       const int k = k0 + c * C::kVec;
@@ -212,6 +242,7 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
     T* xs = x_s + slot * M::kToks * M::kLd;
 #pragma unroll
     for (int j = 0; j < C::kXCopies; ++j) {
+      if (!tok) break;
       const int i = threadIdx.x + j * KT, m = i / C::kChunks, c = i % C::kChunks;
       if (C::kXCopies * KT != M::kToks * C::kChunks && m >= M::kToks) break;
       const int k = k0 + c * C::kVec;
@@ -221,22 +252,32 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
     }
   };
 
+  if constexpr (kEarlyWeights) {
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+      if (s < total) load(s, true, false);
+    // Rewind the loader; the weights join the first group committed below.
+    cur.fetch(p, pl, blockIdx.x, BM);
+    cur_item = -1;
+    ld = Cursor(pl);
+    hooks.wait_input();
+  }
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (s < total) load(s);
+    if (s < total) load(s, !kEarlyWeights, true);
     async_copy_commit();
   }
   typename M::Acc acc;
   for (int g = 0; g < total; ++g) {
     if constexpr (S == 1) {
       __syncthreads();  // every wave is done with the previous stage
-      load(g);
+      load(g, true, true);
     } else {
       async_copy_wait_pending<S - 2>();
     }
     __syncthreads();  // stage g is in shared memory; every wave is done with stage g - 1's buffer
     if constexpr (S > 1) {
-      if (g + S - 1 < total) load(g + S - 1);
+      if (g + S - 1 < total) load(g + S - 1, true, true);
       async_copy_commit();
     }
     const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
@@ -272,6 +313,7 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
     };
     if (pl.split == 1) {
       emit(wave_sum);
+      hooks.item_done(b % pl.n_mblocks);
       continue;
     }
     // Split: publish this part's sums; the last part of the group to arrive adds all parts in part
@@ -294,12 +336,19 @@ __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParam
       return v;
     });
     if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
+    hooks.item_done(b % pl.n_mblocks);
   }
   async_copy_wait();
 }
 
 template <typename T, typename M, int BM, bool Gated>
-unsigned long long& raised() {  // devices with the shared limit raised
+__global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  gemm_phase<T, M, BM, Gated>(p, smem_raw, PdlHooks());
+}
+
+template <auto Kernel>
+unsigned long long& raised() {  // per kernel: devices with the shared limit raised
   static unsigned long long r = 0;
   return r;
 }
@@ -307,23 +356,27 @@ unsigned long long& raised() {  // devices with the shared limit raised
 // Split-K items per resident block the partials workspace holds.
 constexpr int kSplitItemsPerSlot = 3;
 
-// Resident blocks of the whole device (the grid), into *grid.
-template <typename T, typename M, int BM, bool Gated>
-int device_slots(int device, int* out) {
-  typedef GemmCfg<T, M, BM, Gated> C;
-  auto kernel = &gemm_kernel<T, M, BM, Gated>;
-  static int slots[64] = {0};  // per device (0: not asked yet)
-  int grid = device < 64 ? __atomic_load_n(&slots[device], __ATOMIC_RELAXED) : 0;
+// Resident blocks of Kernel on the whole device (a persistent grid), into *out.
+template <auto Kernel>
+int resident_grid(int threads, int bytes, int device, int* out) {
+  static int cache[64] = {0};  // per device (0: not asked yet)
+  int grid = device < 64 ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) : 0;
   if (grid == 0) {
     int per_sm = 0, sms = 0;
-    HK_TRY(resident_blocks(kernel, raised<T, M, BM, Gated>(), C::kThreads, C::bytes, device, &per_sm));
+    HK_TRY(resident_blocks(Kernel, raised<Kernel>(), threads, bytes, device, &per_sm));
     HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
     if (per_sm < 1) return set_invalid("fused_moe: the GEMM kernel does not fit on this device", __FILE__, __LINE__);
     grid = per_sm * sms;
-    if (device < 64) __atomic_store_n(&slots[device], grid, __ATOMIC_RELAXED);
+    if (device < 64) __atomic_store_n(&cache[device], grid, __ATOMIC_RELAXED);
   }
   *out = grid;
   return 0;
+}
+
+template <typename T, typename M, int BM, bool Gated>
+int device_slots(int device, int* out) {
+  typedef GemmCfg<T, M, BM, Gated> C;
+  return resident_grid<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, out);
 }
 
 // Floats of partials and ints of counters a launch of this GEMM may use.
@@ -348,9 +401,8 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   const int64_t items = (int64_t)p.max_mblocks * p.n_tiles * kMaxSplit;
   if (items < grid) grid = (int)items;
   if (grid < 1) return 0;
-  HK_TRY(allow_shared(kernel, raised<T, M, BM, Gated>(), C::bytes, device));
-  hipLaunchKernelGGL(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, q);
-  HK_CHECK_LAUNCH("fused_moe gemm_kernel");
+  HK_TRY(allow_shared(kernel, raised<&gemm_kernel<T, M, BM, Gated>>(), C::bytes, device));
+  HK_CHECK(launch_dependent(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, q));
   return 0;
 }
 

@@ -191,6 +191,7 @@ struct ChunkOffset {
 
 __global__ __launch_bounds__(kThreads) void one_block_kernel(Args a) {
   __shared__ RankSmem s;
+  griddep_launch_dependents();  // a consumer launched with launch_dependent (fused_moe) may be scheduled now
   const int w = threadIdx.x / kWaveSize;
   int lo, len;
   wave_range(0, a.num_pairs, lo, len);
@@ -248,6 +249,7 @@ __global__ __launch_bounds__(kThreads) void scan_kernel(Args a) {
 // Multi-block 3/3, one block per chunk: layout (each block its share), then rank and write.
 __global__ __launch_bounds__(kThreads) void scatter_kernel(Args a) {
   __shared__ RankSmem s;
+  griddep_launch_dependents();
   const int w = threadIdx.x / kWaveSize;
   const int begin = blockIdx.x * kChunk;
   int lo, len;

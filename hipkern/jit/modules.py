@@ -94,10 +94,10 @@ MODULE_FAMILIES = {
             ("hk_fused_moe_workspace", "i32", ("i32", "ptr", "ptr")),
             # x, w1, w2, topk_weights, topk_ids, expert_map, sorted_ids, expert_ids, num_post, inter, y,
             # partials, counters, out, num_tokens, topk, num_experts, num_local_experts, dim, inter_dim,
-            # max_padded, activation, device, stream
+            # max_padded, activation, variant, device, stream
             ("hk_fused_moe", "i32",
              ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",
-              "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "ptr")),
+              "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "ptr")),
         ),
     },
 }

@@ -12,17 +12,24 @@ from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
-__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "VARIANT", "block_ms_for", "choose_block_m", "default_block_m"]
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for",
+           "choose_block_m", "choose_variant", "default_block_m"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
-VARIANT = "grouped"  # the one kernel family; the tuning database picks its block_m per shape
+VARIANT = "grouped"  # moe_sorting, then the two grouped GEMMs and the combine: four launches
+# "decode": the same GEMMs with the routing and the combine in one launch, for at most
+# DECODE_MAX_PAIRS routed pairs (csrc_hip/fused_moe/decode.h).
+VARIANTS = (VARIANT, "decode")
+DECODE_MAX_PAIRS = 32
+DECODE_MAX_BLOCK_M = 64
+_VARIANT_CODES = {VARIANT: 0, "decode": 1}
 
 # Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
 # expert count (expert_map's length when given).
 tuning_db.register(tuning_db.Schema(
     op="fused_moe", exact_keys=("dtype", "model_dim", "inter_dim", "num_experts", "topk"),
-    bucket_keys=("tokens",), param_keys=("block_m",), variants=frozenset({VARIANT}),
+    bucket_keys=("tokens",), param_keys=("block_m",), variants=frozenset(VARIANTS),
     param_ranges={"block_m": (min(BLOCK_MS), max(BLOCK_MS))}))
 
 
@@ -32,9 +39,9 @@ def block_ms_for(dtype) -> tuple:
 
 
 lib.define("fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-           "str activation='silu', Tensor? expert_map=None, int block_m=0) -> Tensor")
+           "str activation='silu', Tensor? expert_map=None, int block_m=0, str variant='') -> Tensor")
 lib.define("fused_moe_out(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-           "str activation, Tensor? expert_map, int block_m, Tensor(a!) out) -> ()")
+           "str activation, Tensor? expert_map, int block_m, str variant, Tensor(a!) out) -> ()")
 
 
 def default_block_m(num_tokens: int, topk: int, num_experts: int, dtype=torch.bfloat16) -> int:
@@ -68,7 +75,16 @@ def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_di
     return bm if bm in block_ms_for(dtype) else default_block_m(num_tokens, topk, num_experts, dtype)
 
 
-def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None) -> None:
+def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: int = 8) -> str:
+    """The variant for variant=None: "decode" (one launch) for 16-bit types with at most
+    DECODE_MAX_PAIRS routed pairs and block_m <= DECODE_MAX_BLOCK_M, else "grouped". Measured on the H100 (csrc_hip/fused_moe/NOTES.md):
+    1 token x top-8 of 256 experts, 49.5 us against 57.3; float32 is faster grouped (107 against 120)."""
+    small = num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
+    return "decode" if small and dtype != torch.float32 else VARIANT
+
+
+def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None,
+              variant=None) -> None:
     # Device checks last, so that every other argument error shows on any device.
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=tuple(DTYPE_NAMES), gpu=False)
     dtype = hidden_states.dtype
@@ -99,6 +115,14 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
         allowed = block_ms_for(dtype)
         if block_m not in allowed:
             raise ValueError(f"block_m must be one of {allowed} or None for {DTYPE_NAMES[dtype]}, got {block_m}")
+    if variant is not None:
+        if not isinstance(variant, str) or variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+        if variant == "decode" and num_tokens * topk > DECODE_MAX_PAIRS:
+            raise ValueError(f"variant='decode' takes at most {DECODE_MAX_PAIRS} routed pairs (tokens x topk), got "
+                             f"{num_tokens} x {topk}; use variant='grouped' or None")
+        if variant == "decode" and block_m is not None and block_m > DECODE_MAX_BLOCK_M:
+            raise ValueError(f"variant='decode' takes block_m up to {DECODE_MAX_BLOCK_M}, got {block_m}")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), gpu=False)
         num_experts = expert_map.shape[0]
@@ -161,29 +185,35 @@ def _workspace(mod, dev: int, device: torch.device):
     return partials, counters
 
 
-def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out) -> None:
+def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant,
+                 out) -> None:
     num_tokens, dim = hidden_states.shape
     topk = topk_ids.shape[1]
     e_local, inter = w1.shape[0], w1.shape[1] // 2
     num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
-    sorted_ids, expert_ids, num_post = _sorting._outputs(topk_ids, num_experts, block_m)
-    _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
+    if variant == "decode":  # routes in its own kernel
+        sorting = (None, None, None)
+        max_padded = 0
+    else:
+        sorted_ids, expert_ids, num_post = _sorting._outputs(topk_ids, num_experts, block_m)
+        _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
+        sorting = (sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr())
+        max_padded = sorted_ids.numel()
     ws = torch.empty((num_tokens * topk, inter), dtype=hidden_states.dtype, device=hidden_states.device)
     y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
     mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
     partials, counters = _workspace(mod, dev, hidden_states.device)
     emap = None if expert_map is None else expert_map.data_ptr()
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
-                          topk_ids.data_ptr(), emap, sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr(),
-                          ws.data_ptr(), y.data_ptr(), partials.data_ptr(), counters.data_ptr(), out.data_ptr(),
-                          num_tokens, topk, num_experts, e_local, dim, inter, sorted_ids.numel(),
-                          ACTIVATIONS[activation], dev, raw_stream(dev))
+                          topk_ids.data_ptr(), emap, *sorting, ws.data_ptr(), y.data_ptr(), partials.data_ptr(),
+                          counters.data_ptr(), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
+                          max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:
         mod.check(rc, "fused_moe")
 
 
-def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out) -> None:
+def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out) -> None:
     if hidden_states.shape[0] == 0:
         return
     _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
@@ -192,13 +222,15 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
         num_experts = _routed_experts(w1, expert_map)
         block_m = choose_block_m(jit.current_arch(dev), _sm_count(dev), hidden_states.shape[0], hidden_states.shape[1],
                                  w2.shape[2], num_experts, topk_ids.shape[1], hidden_states.dtype)
+    variant = variant or choose_variant(hidden_states.shape[0], topk_ids.shape[1], hidden_states.dtype, block_m)
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              expert_map, block_m, out)
+              expert_map, block_m, variant, out)
 
 
-def _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0):
+def _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0,
+              variant=""):
     out = torch.empty_like(hidden_states)
-    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out)
+    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out)
     return out
 
 
@@ -207,20 +239,22 @@ lib.impl("fused_moe_out", _launch, "CUDA")
 
 
 @torch.library.register_fake("hipkern::fused_moe")
-def _fake(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0):
-    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None)
+def _fake(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0, variant=""):
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None,
+              variant=variant or None)
     return torch.empty_like(hidden_states)
 
 
 @torch.library.register_fake("hipkern::fused_moe_out")
-def _fake_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out):
-    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None, out)
+def _fake_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out):
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None, out,
+              variant or None)
 
 
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu", expert_map: torch.Tensor | None = None,
               out: torch.Tensor | None = None, allow_tf32: bool = False, validate: bool = False,
-              block_m: int | None = None) -> torch.Tensor:
+              block_m: int | None = None, variant: str | None = None) -> torch.Tensor:
     """The routed experts' gated MLPs, weighted and summed per token:
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t))``,
     ``e = topk_ids[t, j]`` (through expert_map when given).
@@ -241,6 +275,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         validate: check the ids and expert_map values first (syncs with the device).
         block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
             the tuning database's choice for this shape (choose_block_m), else default_block_m.
+        variant: "grouped" (moe_sorting, two grouped GEMMs, a combine), "decode" (the same in one
+            launch; at most DECODE_MAX_PAIRS routed pairs) or None: choose_variant's choice.
 
     Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
     before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),
@@ -249,18 +285,18 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
     for name, v in (("allow_tf32", allow_tf32), ("validate", validate)):
         if not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool, got {type(v).__name__}")
-    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out)
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out, variant)
     if validate:
         _check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0])
     bm = block_m or 0
     if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
         if out is None:
             return torch.ops.hipkern.fused_moe.default(hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                                                       expert_map, bm)
+                                                       expert_map, bm, variant or "")
         torch.ops.hipkern.fused_moe_out.default(hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                                                expert_map, bm, out)
+                                                expert_map, bm, variant or "", out)
         return out
     if out is None:
-        return _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, bm)
-    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, bm, out)
+        return _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, bm, variant or "")
+    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, bm, variant or "", out)
     return out

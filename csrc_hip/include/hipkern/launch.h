@@ -1,6 +1,8 @@
 // Launch helpers every op shares: the dynamic shared-memory opt-in and the occupancy query.
 #pragma once
 
+#include <cstdlib>
+
 #include "hipkern/error.h"
 
 namespace hk {
@@ -34,13 +36,15 @@ int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int 
 // Launch `kernel` after the work before it in `stream`, allowed to start early where the target has
 // programmatic dependent launch (CUDA, sm_90: the kernel must call griddep_wait() before it reads what
 // the previous kernel writes); a plain launch elsewhere. Returns the launch's error.
+// HIPKERN_NO_PDL=1 in the environment turns the early start off (a plain launch), for comparisons.
 template <typename... Params, typename... Args>
 hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
                             Args... args) {
 #if defined(HK_PLATFORM_CUDA)
+  static const bool off = getenv("HIPKERN_NO_PDL") != nullptr;  // diagnostic: plain launches, to compare
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[0].val.programmaticStreamSerializationAllowed = off ? 0 : 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

@@ -120,6 +120,22 @@ HK_DEVICE float fast_exp2(float x) {
 }
 
 // Orders memory among the lanes of one wave (shared-memory handoff inside a wave).
+// A short pause in a spin-wait loop, so that waiting blocks leave the memory system to the rest.
+HK_DEVICE void spin_pause() {
+#if defined(HK_PLATFORM_HIP)
+  __builtin_amdgcn_s_sleep(2);
+#elif defined(__CUDA_ARCH__)
+  __nanosleep(64);
+#endif
+}
+
+// Wait until *flag >= target (one thread: callers share the result through a barrier); acquire:
+// what was written before the matching release is visible after.
+HK_DEVICE void spin_until_at_least(const int* flag, int target) {
+  while (*reinterpret_cast<const volatile int*>(flag) < target) spin_pause();
+  __threadfence();
+}
+
 HK_DEVICE void wave_sync() {
 #if defined(HK_PLATFORM_HIP)
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");

@@ -1,0 +1,222 @@
+// The decode variant of fused MoE: the whole op in one launch for a few routed pairs (T * k <=
+// kDecodePairs), where the standalone chain (moe_sorting, two GEMM launches, the combine) spends as
+// long starting and draining its four kernels as streaming the weights.
+//
+// One persistent grid (every block resident at once: the grid is the device's resident-block
+// count, which the waits below rely on):
+//   1. every block groups the pairs by expert itself, in shared memory (route(): the layout
+//      moe_sorting would build, from at most kDecodePairs ids, so no sorting kernel);
+//   2. the gated GEMM (gemm_phase, as the standalone launch), each finished item counted per m-block
+//      in `ready`;
+//   3. the down GEMM, whose blocks request their first weight stages at once and wait, per item,
+//      only for the gated items of that item's m-block (its rows of the intermediate);
+//   4. a grid barrier, then the deterministic combine over the grid; the last block to leave resets
+//      the counters for the next call.
+// A block finishes all its gated items before it waits for any: no wait can be on a block that is
+// itself waiting, so the grid cannot deadlock while all its blocks are resident.
+#pragma once
+
+#include "gemm.h"
+
+namespace hk {
+namespace fused_moe {
+
+constexpr int kDecodePairs = 32;
+constexpr int kDecodeMaxBlockM = 64;
+
+// The pairs grouped by (global) expert in blocks of BM rows, as moe_sorting lays them out.
+template <int BM>
+struct Route {
+  int num_post;                     // padded rows in use
+  int key[kDecodePairs];            // each pair's expert, or E when it is dropped
+  int padded[kDecodePairs];         // for an expert's first pair: its padded row count, else 0
+  int expert_ids[kDecodePairs];     // per m-block: the local expert
+  int sorted[kDecodePairs * BM];    // per row: the pair, or num_pairs (padding)
+};
+
+template <int BM>
+HK_DEVICE void route(const int32_t* ids, const int32_t* expert_map, int n, int num_experts, Route<BM>& r) {
+  const int p = threadIdx.x;
+  int e = num_experts;
+  if (p < n) {
+    e = ids[p];
+    if ((unsigned)e >= (unsigned)num_experts || (expert_map != nullptr && expert_map[e] < 0)) e = num_experts;
+  }
+  if (p < kDecodePairs) r.key[p] = e;
+  __syncthreads();
+  const bool kept = p < n && e < num_experts;
+  int rank = 0, count = 0;  // pairs of the same expert before this one; in all
+  if (kept)
+    for (int q = 0; q < n; ++q)
+      if (r.key[q] == e) {
+        ++count;
+        rank += q < p;
+      }
+  if (p < kDecodePairs) r.padded[p] = kept && rank == 0 ? (count + BM - 1) / BM * BM : 0;
+  __syncthreads();
+  int start = 0, total = 0;  // rows of the experts before this one; of all
+  for (int q = 0; q < n; ++q) {
+    const int rows = r.padded[q];
+    total += rows;
+    if (rows && r.key[q] < e) start += rows;
+  }
+  for (int i = p; i < total; i += blockDim.x) r.sorted[i] = n;
+  if (p == 0) r.num_post = total;
+  __syncthreads();
+  if (kept) {
+    r.sorted[start + rank] = p;
+    if (rank == 0)
+      for (int b = 0; b < r.padded[p] / BM; ++b)
+        r.expert_ids[start / BM + b] = expert_map != nullptr ? expert_map[e] : e;
+  }
+  __syncthreads();
+}
+
+// out[t][4c .. 4c + 3] = the sum of y over t's kept pairs in slot order (no float atomics), over a
+// grid-stride loop of this grid.
+template <typename T, int kThreads>
+HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* expert_map, int num_experts, T* out,
+                            int64_t num_tokens, int topk, int dim) {
+  const int quads = dim / 4;
+  const int64_t n = num_tokens * quads;
+  for (int64_t i = blockIdx.x * (int64_t)kThreads + threadIdx.x; i < n; i += (int64_t)gridDim.x * kThreads) {
+    const int64_t t = i / quads;
+    const int c = (int)(i % quads) * 4;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < topk; ++j) {
+      const int64_t pair = t * topk + j;
+      const int e = ids[pair];
+      if ((unsigned)e >= (unsigned)num_experts || (expert_map != nullptr && expert_map[e] < 0)) continue;
+      const float4 v = *reinterpret_cast<const float4*>(y + pair * dim + c);
+      acc[0] += v.x;
+      acc[1] += v.y;
+      acc[2] += v.z;
+      acc[3] += v.w;
+    }
+    store_from_float<T, 4>(out + t * dim + c, acc);
+  }
+}
+
+// The gated phase announces each finished item of m-block mb; the down phase waits for all
+// `target` of them (the gated GEMM's n-tiles) before it reads the m-block's intermediate rows.
+struct DecodeHooks {
+  int* ready;
+  int target;  // 0: the gated phase (announces); else the down phase (waits for `target` items)
+  HK_DEVICE void wait_input() const {}
+  HK_DEVICE void wait_item(int mb) const {  // every thread calls it (from the loader)
+    if (target == 0) return;
+    if (threadIdx.x == 0) spin_until_at_least(ready + mb, target);
+    __syncthreads();
+  }
+  HK_DEVICE void item_done(int mb) const {
+    if (target != 0) return;
+    __syncthreads();  // every thread's outputs are written
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(ready + mb, 1);
+    }
+  }
+};
+
+// Counters after the split-K ones: ready[kDecodePairs], then the barrier's arrivals and departures.
+constexpr int kDecodeCounters = kDecodePairs + 2;
+
+struct DecodeArgs {
+  const int32_t* ids;
+  const int32_t* expert_map;
+  const float* y;
+  void* out;
+  int* sync;  // kDecodeCounters ints, zero on entry, left zero
+  int num_tokens, topk, num_experts, dim;
+};
+
+template <typename T, typename M1, typename M2, int BM>
+struct DecodeCfg {
+  typedef GemmCfg<T, M1, BM, true> C1;
+  typedef GemmCfg<T, M2, BM, false> C2;
+  static_assert(C1::kThreads == C2::kThreads, "both GEMMs' tiles run in the same blocks");
+  static constexpr int kThreads = C1::kThreads;
+  static constexpr int kRouteAt = round_up(C1::bytes > C2::bytes ? C1::bytes : C2::bytes, 16);
+  static constexpr int bytes = kRouteAt + (int)sizeof(Route<BM>);
+  static_assert(kThreads >= kDecodePairs, "a thread per pair in route()");
+  static_assert(BM <= kDecodeMaxBlockM, "the routing table of kDecodePairs x BM rows stays small");
+  static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
+};
+
+
+template <typename T, typename M1, typename M2, int BM>
+__global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmParams g1, GemmParams g2, DecodeArgs d) {
+  typedef DecodeCfg<T, M1, M2, BM> C;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Route<BM>& r = *reinterpret_cast<Route<BM>*>(smem_raw + C::kRouteAt);
+  route(d.ids, d.expert_map, g1.num_pairs, d.num_experts, r);
+  int* ready = d.sync;
+  g1.sorted_ids = g2.sorted_ids = r.sorted;
+  g1.expert_ids = g2.expert_ids = r.expert_ids;
+  g1.num_post = g2.num_post = &r.num_post;
+  gemm_phase<T, M1, BM, true>(g1, smem_raw, DecodeHooks{ready, 0});
+  __syncthreads();  // the down phase reuses the shared memory
+  gemm_phase<T, M2, BM, false>(g2, smem_raw, DecodeHooks{ready, g1.n_tiles});
+
+  // Every block's down items are written: a grid barrier, then the combine.
+  int* arrived = d.sync + kDecodePairs;
+  int* left = arrived + 1;
+  const int G = (int)gridDim.x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(arrived, 1);
+    spin_until_at_least(arrived, G);
+  }
+  __syncthreads();
+  combine_rows<T, C::kThreads>(d.y, d.ids, d.expert_map, d.num_experts, static_cast<T*>(d.out), d.num_tokens, d.topk,
+                               d.dim);
+  if (threadIdx.x == 0 && atomicAdd(left, 1) == G - 1) {  // everyone is past the barrier: reset
+    for (int i = 0; i < kDecodeCounters; ++i) d.sync[i] = 0;
+    __threadfence();
+  }
+}
+
+template <typename T, typename M1, typename M2, int BM>
+int decode_grid(int device, int* out) {
+  typedef DecodeCfg<T, M1, M2, BM> C;
+  return resident_grid<&decode_kernel<T, M1, M2, BM>>(C::kThreads, C::bytes, device, out);
+}
+
+// Floats of partials and ints of counters a decode launch uses: a split-K region per phase (phases of
+// different blocks overlap in time), then the decode counters.
+template <typename T, typename M1, typename M2, int BM>
+int decode_workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
+  int grid = 0;
+  HK_TRY((decode_grid<T, M1, M2, BM>(device, &grid)));
+  const int64_t items = (int64_t)kSplitItemsPerSlot * grid;
+  *partial_floats = items * (M1::kRows * M1::kToks + M2::kRows * M2::kToks);
+  *counter_ints = 2 * items + kDecodeCounters;
+  return 0;
+}
+
+// g1 / g2 as for the two standalone launches (their sorted_ids, expert_ids and num_post unused: each
+// block routes in shared memory); partials / counters as decode_workspace says.
+template <typename T, typename M1, typename M2, int BM>
+int launch_decode(GemmParams g1, GemmParams g2, DecodeArgs d, float* partials, int* counters, int device,
+                  hipStream_t stream) {
+  typedef DecodeCfg<T, M1, M2, BM> C;
+  auto kernel = &decode_kernel<T, M1, M2, BM>;
+  int grid = 0;
+  HK_TRY((decode_grid<T, M1, M2, BM>(device, &grid)));
+  const int items = kSplitItemsPerSlot * grid;
+  g1.max_mblocks = g2.max_mblocks = kDecodePairs;
+  g1.max_split_items = g2.max_split_items = items;
+  g1.partials = partials;
+  g2.partials = partials + (int64_t)items * M1::kRows * M1::kToks;
+  g1.counters = counters;
+  g2.counters = counters + items;
+  d.sync = counters + 2 * items;
+  HK_TRY(allow_shared(kernel, raised<&decode_kernel<T, M1, M2, BM>>(), C::bytes, device));
+  hipLaunchKernelGGL(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, g1, g2, d);
+  HK_CHECK_LAUNCH("fused_moe decode_kernel");
+  return 0;
+}
+
+}  // namespace fused_moe
+}  // namespace hk
