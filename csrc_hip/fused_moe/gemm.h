@@ -104,6 +104,9 @@ struct GemmCfg {
   static constexpr int kVec = 16 / (int)sizeof(T), kChunks = M::kBK / kVec;  // 16-byte chunks per row
   static constexpr int kWCopies = (M::kRows * kChunks + kThreads - 1) / kThreads;
   static constexpr int kXCopies = (M::kToks * kChunks + kThreads - 1) / kThreads;
+  // A thread copies one chunk column (threadIdx.x % kChunks) of rows threadIdx.x / kChunks + j * kRowStep.
+  static constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0, "every thread keeps its chunk column");
   static constexpr int kCols = Gated ? M::kRows / 2 : M::kRows;  // output columns per item
   // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage
   static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
@@ -189,16 +192,20 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   Cursor ld(pl), cs(pl);  // the loader's stage and the consumer's
   const T* w = static_cast<const T*>(p.w);
   const T* x = static_cast<const T*>(p.x);
-  // This thread's copy sources for the current item (row starts; null: the row is not loaded), set
-  // once per item so that a stage's copies cost an add and a compare each.
+  // This thread's copy sources for the current item (its chunk of each row; null: the row is not
+  // loaded), set once per item. An item whose weight rows all exist (a local expert, a whole n-tile)
+  // copies its whole k-stages with no check at all: an address and a copy per chunk.
+  const int c0 = threadIdx.x % C::kChunks, r0 = threadIdx.x / C::kChunks;
   const T* wsrc[C::kWCopies];
   const T* xsrc[C::kXCopies];
+  bool whole = false;  // the current item's weight rows all exist
   auto bind = [&]() {
     const bool expert_ok = (unsigned)cur.expert < (unsigned)p.num_experts;
-    const T* we = w + (expert_ok ? (int64_t)cur.expert * p.w_stride_e : 0);
+    whole = expert_ok && (cur.nt + 1) * C::kCols <= p.N;
+    const T* we = w + (expert_ok ? (int64_t)cur.expert * p.w_stride_e : 0) + c0 * C::kVec;
 #pragma unroll
     for (int j = 0; j < C::kWCopies; ++j) {
-      const int r = (threadIdx.x + j * KT) / C::kChunks;
+      const int r = r0 + j * C::kRowStep;
       int row, col;
       if (Gated) {  // each 16-row tile: 8 gate rows, then the 8 up rows of the same columns
         col = cur.nt * C::kCols + 8 * (r / 16) + r % 8;
@@ -212,7 +219,8 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 #pragma unroll
     for (int j = 0; j < C::kXCopies; ++j) {
       const int pair = cur.pair[j];
-      xsrc[j] = (unsigned)pair < (unsigned)p.num_pairs ? x + (int64_t)(pair / p.x_div) * p.x_stride : nullptr;
+      xsrc[j] = (unsigned)pair < (unsigned)p.num_pairs ? x + (int64_t)(pair / p.x_div) * p.x_stride + c0 * C::kVec
+                                                       : nullptr;
     }
   };
 
@@ -229,26 +237,40 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     }
     if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
     const int k0 = kc * M::kBK;
-    T* ws = w_s + slot * M::kRows * M::kLd;
+    constexpr bool kWAll = C::kWCopies * KT == M::kRows * C::kChunks, kXAll = C::kXCopies * KT == M::kToks * C::kChunks;
+    T* ws = w_s + (slot * M::kRows + r0) * M::kLd + c0 * C::kVec;  // + j * kRowStep rows
+    T* xs = x_s + (slot * M::kToks + r0) * M::kLd + c0 * C::kVec;
+    if (whole && k0 + M::kBK <= p.K) {
 #pragma unroll
-    for (int j = 0; j < C::kWCopies; ++j) {
-      if (!wgt) break;
-      const int i = threadIdx.x + j * KT, r = i / C::kChunks, c = i % C::kChunks;
-      if (C::kWCopies * KT != M::kRows * C::kChunks && r >= M::kRows) break;
-      const int k = k0 + c * C::kVec;
-      const bool ok = wsrc[j] != nullptr && k < p.K;  // else zeros: an invalid expert contributes 0
-      async_copy16_or_zero(ws + r * M::kLd + c * C::kVec, ok ? wsrc[j] + k : w, ok);
+      for (int j = 0; j < C::kWCopies; ++j) {
+        if (!wgt || (!kWAll && r0 + j * C::kRowStep >= M::kRows)) break;
+        async_copy16(ws + j * C::kRowStep * M::kLd, wsrc[j] + k0);
+      }
+#pragma unroll
+      for (int j = 0; j < C::kXCopies; ++j) {
+        if (!tok || (!kXAll && r0 + j * C::kRowStep >= M::kToks)) break;
+        if (xsrc[j]) async_copy16(xs + j * C::kRowStep * M::kLd, xsrc[j] + k0);
+      }
+    } else {  // rows past N or an invalid expert (zeros: they contribute 0), columns past K (zeros)
+      const bool k_ok = k0 + c0 * C::kVec < p.K;
+#pragma unroll
+      for (int j = 0; j < C::kWCopies; ++j) {
+        if (!wgt || (!kWAll && r0 + j * C::kRowStep >= M::kRows)) break;
+        const bool ok = wsrc[j] != nullptr && k_ok;
+        async_copy16_or_zero(ws + j * C::kRowStep * M::kLd, ok ? wsrc[j] + k0 : w, ok);
+      }
+#pragma unroll
+      for (int j = 0; j < C::kXCopies; ++j) {
+        if (!tok || (!kXAll && r0 + j * C::kRowStep >= M::kToks)) break;
+        if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
+          async_copy16_or_zero(xs + j * C::kRowStep * M::kLd, k_ok ? xsrc[j] + k0 : x, k_ok);
+      }
     }
-    T* xs = x_s + slot * M::kToks * M::kLd;
 #pragma unroll
     for (int j = 0; j < C::kXCopies; ++j) {
-      if (!tok) break;
-      const int i = threadIdx.x + j * KT, m = i / C::kChunks, c = i % C::kChunks;
-      if (C::kXCopies * KT != M::kToks * C::kChunks && m >= M::kToks) break;
-      const int k = k0 + c * C::kVec;
-      if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
-        async_copy16_or_zero(xs + m * M::kLd + c * C::kVec, xsrc[j] + (k < p.K ? k : 0), k < p.K);
-      if (c == 0) pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
+      const int m = r0 + j * C::kRowStep;
+      if (!tok || (!kXAll && m >= M::kToks)) break;
+      if (c0 == 0) pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
     }
   };
 
@@ -268,6 +290,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     async_copy_commit();
   }
   typename M::Acc acc;
+  M::zero(acc);  // and again after each item's partials are stored
   for (int g = 0; g < total; ++g) {
     if constexpr (S == 1) {
       __syncthreads();  // every wave is done with the previous stage
@@ -283,7 +306,6 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
     cs.advance(pl, G);
     const int* pairs = pair_s + slot * M::kToks;
-    if (kp == 0) M::zero(acc);
     if (kc < KS)
       M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs);
     if (kp != pl.kss - 1) continue;
@@ -291,6 +313,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     // Epilogue: the waves' partials meet in shared memory (free again two barriers later).
     if constexpr (C::kAlias) __syncthreads();  // every wave is done reading the stage
     M::store(acc, red);
+    M::zero(acc);
     __syncthreads();
     const int b = item / pl.split, nt = b / pl.n_mblocks;
     auto emit = [&](auto value) {  // value(row, token): the item's finished sums

@@ -9,7 +9,7 @@
 //   zero(acc)                              acc = 0
 //   step(acc, w_s, x_s, pairs, num_pairs)  acc[row][tok] += W[row][k] X[tok][k] over this wave's rows
 //                                          and k-slice; token tiles whose first row is padding
-//                                          (pairs[row] >= num_pairs; valid rows are a prefix) are
+//                                          (pairs[row] >= num_pairs; valid rows are a prefix) may be
 //                                          skipped. Columns of invalid tokens may hold anything:
 //                                          they are never stored.
 //   store(acc, red)                        this wave's partial sums into red[wk][row][tok]
@@ -44,27 +44,32 @@ struct MmaMath {
       for (int i = 0; i < MT::kC; ++i) a.c[n][i] = 0.f;
   }
 
+  // The wave's A fragments of the whole stage first (kKK x 4 registers), then the token tiles in
+  // pairs (one ldmatrix for two tiles), up to the pair holding the last valid row: a uniform branch
+  // per pair of tiles, none per mma. The second tile of the last pair may be padding (its columns
+  // are never stored); tile 0 always holds a pair (an m-block in use has one).
   static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int* pairs, int num_pairs) {
+    constexpr int kKK = kSlice / MT::K;
     const T* w = w_s + 16 * wr() * kLd + wk() * kSlice;
     const T* x = x_s + wk() * kSlice;
-    bool on[kNT];  // token tiles with a pair (the rest of the block is padding)
+    typename MT::A a[kKK];
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) on[n] = pairs[n * MT::N] < num_pairs;
+    for (int i = 0; i < kKK; ++i) MT::load_a(a[i], w + i * MT::K, kLd);
 #pragma unroll
-    for (int kk = 0; kk < kSlice; kk += MT::K) {
-      typename MT::A a;
-      MT::load_a(a, w + kk, kLd);
+    for (int n = 0; n < kNT; n += 2) {
+      if (n > 0 && pairs[n * MT::N] >= num_pairs) break;
+      const T* xn = x + n * MT::N * kLd;
 #pragma unroll
-      for (int n = 0; n < kNT; n += 2) {  // token tiles in pairs: one fragment load for two tiles
-        if (!on[n]) break;
+      for (int i = 0; i < kKK; ++i) {
         typename MT::B b0, b1;
         if (n + 1 < kNT) {
-          MT::load_b_nk2(b0, b1, x + n * MT::N * kLd + kk, kLd);
+          MT::load_b_nk2(b0, b1, xn + i * MT::K, kLd);
+          MT::mma(acc.c[n], a[i], b0);
+          MT::mma(acc.c[n + 1], a[i], b1);
         } else {
-          MT::load_b_nk(b0, x + n * MT::N * kLd + kk, kLd);
+          MT::load_b_nk(b0, xn + i * MT::K, kLd);
+          MT::mma(acc.c[n], a[i], b0);
         }
-        MT::mma(acc.c[n], a, b0);
-        if (n + 1 < kNT && on[n + 1]) MT::mma(acc.c[n + 1], a, b1);
       }
     }
   }
