@@ -274,8 +274,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     }
   };
 
+  // The prologue loops stay loops: each inlined load() is a few hundred instructions, and cold code
+  // (run once per block) costs instruction-fetch stalls.
   if constexpr (kEarlyWeights) {
-#pragma unroll
+#pragma unroll 1
     for (int s = 0; s < S - 1; ++s)
       if (s < total) load(s, true, false);
     // Rewind the loader; the weights join the first group committed below.
@@ -284,7 +286,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     ld = Cursor(pl);
     hooks.wait_input();
   }
-#pragma unroll
+#pragma unroll 1
   for (int s = 0; s < S - 1; ++s) {
     if (s < total) load(s, !kEarlyWeights, true);
     async_copy_commit();
