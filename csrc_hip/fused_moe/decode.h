@@ -17,12 +17,27 @@
 #pragma once
 
 #include "gemm.h"
+#include "hipkern/moe.h"
 
 namespace hk {
 namespace fused_moe {
 
 constexpr int kDecodePairs = 32;
 constexpr int kDecodeMaxBlockM = 64;
+
+// HK_MOE_TRACE (a diagnostic build, NVIDIA only): thread 0 of each block records %globaltimer at the
+// phase boundaries of the last call into hk_moe_trace[block][point]; hk_fused_moe_trace() reads it.
+#if defined(HK_MOE_TRACE) && defined(HK_PLATFORM_CUDA)
+__device__ unsigned long long hk_moe_trace[4096][8];
+HK_DEVICE void trace_point(int i) {
+  if (threadIdx.x != 0 || blockIdx.x >= 4096) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  hk_moe_trace[blockIdx.x][i] = t;
+}
+#else
+HK_DEVICE void trace_point(int) {}
+#endif
 
 // The pairs grouped by (global) expert in blocks of BM rows, as moe_sorting lays them out.
 template <int BM>
@@ -37,11 +52,7 @@ struct Route {
 template <int BM>
 HK_DEVICE void route(const int32_t* ids, const int32_t* expert_map, int n, int num_experts, Route<BM>& r) {
   const int p = threadIdx.x;
-  int e = num_experts;
-  if (p < n) {
-    e = ids[p];
-    if ((unsigned)e >= (unsigned)num_experts || (expert_map != nullptr && expert_map[e] < 0)) e = num_experts;
-  }
+  const int e = p < n && moe_pair_kept(ids[p], num_experts, expert_map) ? ids[p] : num_experts;
   if (p < kDecodePairs) r.key[p] = e;
   __syncthreads();
   const bool kept = p < n && e < num_experts;
@@ -85,8 +96,7 @@ HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* e
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < topk; ++j) {
       const int64_t pair = t * topk + j;
-      const int e = ids[pair];
-      if ((unsigned)e >= (unsigned)num_experts || (expert_map != nullptr && expert_map[e] < 0)) continue;
+      if (!moe_pair_kept(ids[pair], num_experts, expert_map)) continue;
       const float4 v = *reinterpret_cast<const float4*>(y + pair * dim + c);
       acc[0] += v.x;
       acc[1] += v.y;
@@ -97,25 +107,30 @@ HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* e
   }
 }
 
-// The gated phase announces each finished item of m-block mb; the down phase waits for all
-// `target` of them (the gated GEMM's n-tiles) before it reads the m-block's intermediate rows.
-struct DecodeHooks {
+// The gated phase counts each finished item of m-block mb in ready[mb]; the down phase waits for all
+// `items` of them (the gated GEMM's n-tiles) before it reads the m-block's intermediate rows.
+struct GatedHooks {
   int* ready;
-  int target;  // 0: the gated phase (announces); else the down phase (waits for `target` items)
   HK_DEVICE void wait_input() const {}
-  HK_DEVICE void wait_item(int mb) const {  // every thread calls it (from the loader)
-    if (target == 0) return;
-    if (threadIdx.x == 0) spin_until_at_least(ready + mb, target);
-    __syncthreads();
-  }
+  HK_DEVICE void wait_item(int) const {}
   HK_DEVICE void item_done(int mb) const {
-    if (target != 0) return;
     __syncthreads();  // every thread's outputs are written
     if (threadIdx.x == 0) {
       __threadfence();
       atomicAdd(ready + mb, 1);
     }
   }
+};
+struct DownHooks {
+  const int* ready;
+  int items;
+  HK_DEVICE void wait_input() const {}
+  HK_DEVICE void wait_item(int mb) const {  // every thread calls it (from the loader)
+    if (threadIdx.x == 0) spin_until_at_least(ready + mb, items);
+    __syncthreads();
+    trace_point(3);  // the last release is the one kept
+  }
+  HK_DEVICE void item_done(int) const {}
 };
 
 // Counters after the split-K ones: ready[kDecodePairs], then the barrier's arrivals and departures.
@@ -141,6 +156,7 @@ struct DecodeCfg {
   static_assert(kThreads >= kDecodePairs, "a thread per pair in route()");
   static_assert(BM <= kDecodeMaxBlockM, "the routing table of kDecodePairs x BM rows stays small");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
+  static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
 };
 
 
@@ -149,14 +165,19 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   typedef DecodeCfg<T, M1, M2, BM> C;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Route<BM>& r = *reinterpret_cast<Route<BM>*>(smem_raw + C::kRouteAt);
+  trace_point(0);
+  trace_point(3);
   route(d.ids, d.expert_map, g1.num_pairs, d.num_experts, r);
+  trace_point(1);
   int* ready = d.sync;
   g1.sorted_ids = g2.sorted_ids = r.sorted;
   g1.expert_ids = g2.expert_ids = r.expert_ids;
   g1.num_post = g2.num_post = &r.num_post;
-  gemm_phase<T, M1, BM, true>(g1, smem_raw, DecodeHooks{ready, 0});
+  gemm_phase<T, M1, BM, true>(g1, smem_raw, GatedHooks{ready});
+  trace_point(2);
   __syncthreads();  // the down phase reuses the shared memory
-  gemm_phase<T, M2, BM, false>(g2, smem_raw, DecodeHooks{ready, g1.n_tiles});
+  gemm_phase<T, M2, BM, false>(g2, smem_raw, DownHooks{ready, g1.n_tiles});
+  trace_point(4);
 
   // Every block's down items are written: a grid barrier, then the combine.
   int* arrived = d.sync + kDecodePairs;
@@ -169,12 +190,14 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
     spin_until_at_least(arrived, G);
   }
   __syncthreads();
+  trace_point(5);
   combine_rows<T, C::kThreads>(d.y, d.ids, d.expert_map, d.num_experts, static_cast<T*>(d.out), d.num_tokens, d.topk,
                                d.dim);
   if (threadIdx.x == 0 && atomicAdd(left, 1) == G - 1) {  // everyone is past the barrier: reset
     for (int i = 0; i < kDecodeCounters; ++i) d.sync[i] = 0;
     __threadfence();
   }
+  trace_point(6);
 }
 
 template <typename T, typename M1, typename M2, int BM>
@@ -189,8 +212,8 @@ template <typename T, typename M1, typename M2, int BM>
 int decode_workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
   int grid = 0;
   HK_TRY((decode_grid<T, M1, M2, BM>(device, &grid)));
-  const int64_t items = (int64_t)kSplitItemsPerSlot * grid;
-  *partial_floats = items * (M1::kRows * M1::kToks + M2::kRows * M2::kToks);
+  const int64_t items = split_items(grid);
+  *partial_floats = items * (kSplitFloats<M1> + kSplitFloats<M2>);
   *counter_ints = 2 * items + kDecodeCounters;
   return 0;
 }
@@ -204,11 +227,11 @@ int launch_decode(GemmParams g1, GemmParams g2, DecodeArgs d, float* partials, i
   auto kernel = &decode_kernel<T, M1, M2, BM>;
   int grid = 0;
   HK_TRY((decode_grid<T, M1, M2, BM>(device, &grid)));
-  const int items = kSplitItemsPerSlot * grid;
+  const int items = split_items(grid);
   g1.max_mblocks = g2.max_mblocks = kDecodePairs;
   g1.max_split_items = g2.max_split_items = items;
   g1.partials = partials;
-  g2.partials = partials + (int64_t)items * M1::kRows * M1::kToks;
+  g2.partials = partials + items * kSplitFloats<M1>;
   g1.counters = counters;
   g2.counters = counters + items;
   d.sync = counters + 2 * items;

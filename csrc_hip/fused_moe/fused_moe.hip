@@ -182,3 +182,11 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
                                 (int64_t)num_tokens, topk, dim));
   return 0;
 }
+
+#if defined(HK_MOE_TRACE) && defined(HK_PLATFORM_CUDA)
+// Diagnostic builds only (see decode.h): the decode kernel's phase times of its last call, n blocks x
+// 8 u64 (%globaltimer ns) into host memory.
+HK_EXPORT int hk_fused_moe_trace(void* host, int n) {
+  return cudaMemcpyFromSymbol(host, hk::fused_moe::hk_moe_trace, (size_t)n * 8 * 8) == cudaSuccess ? 0 : 1;
+}
+#endif

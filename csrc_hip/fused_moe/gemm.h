@@ -53,6 +53,13 @@ struct GemmParams {
 
 constexpr int kMaxSplit = 16;
 
+// Split-K items per resident block the partials workspace holds; for a grid of G blocks, a GEMM
+// with tiles M keeps split_items(G) partial tiles of kSplitFloats<M> floats and as many counters.
+constexpr int kSplitItemsPerSlot = 3;
+constexpr int split_items(int grid) { return kSplitItemsPerSlot * grid; }
+template <typename M>
+constexpr int64_t kSplitFloats = (int64_t)M::kRows * M::kToks;
+
 // The work plan, the same in every block: m-blocks in use (read on the GPU), base items (m-block x
 // n-tile), and the K split that best fills the grid: the split S minimising the rounds of work
 // per block, ceil(base * S / G) / S, so that a few large items (one expert, or routing piled onto
@@ -343,7 +350,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     }
     // Split: publish this part's sums; the last part of the group to arrive adds all parts in part
     // order (deterministic whichever arrives last) and writes the outputs.
-    float* part = p.partials + (int64_t)item * M::kRows * M::kToks;
+    float* part = p.partials + item * kSplitFloats<M>;
     for (int idx = threadIdx.x; idx < M::kRows * BM; idx += KT) {
       const int r = idx % M::kRows, m = idx / M::kRows;
       part[m * M::kRows + r] = wave_sum(r, m);
@@ -354,7 +361,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     __syncthreads();
     if (!*last_s) continue;
     __threadfence();
-    const volatile float* parts = p.partials + (int64_t)b * pl.split * M::kRows * M::kToks;
+    const volatile float* parts = p.partials + (int64_t)b * pl.split * kSplitFloats<M>;
     emit([&](int r, int m) {
       float v = 0.f;
       for (int k = 0; k < pl.split; ++k) v += parts[((int64_t)k * M::kToks + m) * M::kRows + r];
@@ -377,9 +384,6 @@ unsigned long long& raised() {  // per kernel: devices with the shared limit rai
   static unsigned long long r = 0;
   return r;
 }
-
-// Split-K items per resident block the partials workspace holds.
-constexpr int kSplitItemsPerSlot = 3;
 
 // Resident blocks of Kernel on the whole device (a persistent grid), into *out.
 template <auto Kernel>
@@ -409,8 +413,8 @@ template <typename T, typename M, int BM, bool Gated>
 int workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
   int grid = 0;
   HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
-  *partial_floats = (int64_t)kSplitItemsPerSlot * grid * M::kRows * M::kToks;
-  *counter_ints = (int64_t)kSplitItemsPerSlot * grid;
+  *partial_floats = split_items(grid) * kSplitFloats<M>;
+  *counter_ints = split_items(grid);
   return 0;
 }
 
@@ -422,7 +426,7 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   int grid = 0;
   HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
   GemmParams q = p;
-  q.max_split_items = kSplitItemsPerSlot * grid;
+  q.max_split_items = split_items(grid);
   const int64_t items = (int64_t)p.max_mblocks * p.n_tiles * kMaxSplit;
   if (items < grid) grid = (int)items;
   if (grid < 1) return 0;

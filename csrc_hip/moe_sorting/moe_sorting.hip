@@ -20,6 +20,7 @@
 // Larger: count (a histogram per chunk of kChunk pairs) -> scan (one block per expert, the
 // chunks' exclusive prefixes) -> scatter (one block per chunk: layout, per-wave ranks, writes).
 #include "hipkern/error.h"
+#include "hipkern/moe.h"
 #include "hipkern/reduce.h"
 
 namespace hk {
@@ -62,9 +63,7 @@ struct RankSmem {
 HK_DEVICE int expert_at(const Args& a, int begin, int off, int len) {
   if (off >= len) return a.num_experts;
   const int e = a.ids[begin + off];
-  if ((unsigned)e >= (unsigned)a.num_experts) return a.num_experts;
-  if (a.expert_map != nullptr && a.expert_map[e] < 0) return a.num_experts;
-  return e;
+  return moe_pair_kept(e, a.num_experts, a.expert_map) ? e : a.num_experts;
 }
 
 // One wave's pairs [lo, lo + len), len <= kSteps * wave size, with their experts in registers

@@ -1,0 +1,14 @@
+// Shared by the MoE modules (moe_sorting, fused_moe): which routed pairs are computed at all.
+#pragma once
+
+#include "hipkern/platform.h"
+
+namespace hk {
+
+// A routed pair is kept when its expert id lies in [0, num_experts) and, given an expert-parallel
+// map, the expert is local (expert_map[e] >= 0); every other pair is dropped (never read through).
+HK_DEVICE bool moe_pair_kept(int e, int num_experts, const int32_t* expert_map) {
+  return (unsigned)e < (unsigned)num_experts && (expert_map == nullptr || expert_map[e] >= 0);
+}
+
+}  // namespace hk

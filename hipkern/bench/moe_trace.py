@@ -1,0 +1,78 @@
+"""Phase timeline of fused_moe's one-launch decode kernel (a diagnostic, NVIDIA only).
+
+``python -m hipkern.bench.moe_trace [--shape T,D,I,E,k] [--block-m 8]`` builds a separate copy of the
+fused_moe module with ``HK_MOE_TRACE`` defined, in which thread 0 of every block records
+``%globaltimer`` at the kernel's phase boundaries (csrc_hip/fused_moe/decode.h), runs the decode
+variant on random bf16 weights, and prints per phase the minimum, median and maximum over the blocks
+in microseconds from the earliest block start. ``%globaltimer`` ticks in about 0.25-1 us steps: read
+the spread, not the last digit. The library's own modules are never built with the define.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+
+import torch
+
+POINTS = ("start", "routed", "gated items done", "down: last release", "down items done", "grid barrier passed",
+          "end")
+MAX_BLOCKS = 4096  # the trace table's rows (decode.h)
+
+
+def traced_module(block_m: int):
+    """The bf16 fused_moe module for block_m, built with HK_MOE_TRACE (its own cache entry)."""
+    from hipkern import jit
+    from hipkern.jit import modules
+
+    spec = modules.spec("fused_moe", dtype="bfloat16", block_m=block_m)
+    spec = dataclasses.replace(spec, name=spec.name + "_trace", defines=spec.defines + (("HK_MOE_TRACE", 1),),
+                               functions=spec.functions + (("hk_fused_moe_trace", "i32", ("ptr", "i32")),))
+    return jit.load(spec, jit.current_arch(torch.cuda.current_device()))
+
+
+def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int, calls: int = 20) -> None:
+    import hipkern
+    from hipkern.ops import _common
+
+    mod = traced_module(block_m)
+    dev = torch.cuda.current_device()
+    _common._modules[("fused_moe", dev, "bfloat16", block_m)] = mod  # the op calls the traced copy
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w1 = torch.randn(experts, 2 * inter, dim, device="cuda", dtype=torch.bfloat16, generator=g) * dim ** -0.5
+        w2 = torch.randn(experts, dim, inter, device="cuda", dtype=torch.bfloat16, generator=g) * inter ** -0.5
+        x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1).indices.int().contiguous()
+        w = torch.rand(tokens, topk, device="cuda", generator=g) + 0.1
+        w = w / w.sum(1, keepdim=True)
+        for _ in range(calls):
+            hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant="decode")
+        torch.cuda.synchronize()
+    finally:
+        del _common._modules[("fused_moe", dev, "bfloat16", block_m)]
+    buf = (ctypes.c_uint64 * (MAX_BLOCKS * 8))()
+    mod.check(mod.hk_fused_moe_trace(ctypes.addressof(buf), MAX_BLOCKS), "fused_moe trace")
+    t = torch.tensor(list(buf), dtype=torch.float64).view(MAX_BLOCKS, 8)
+    t = t[t[:, 0] > 0]
+    t = (t - t[:, 0].min()) / 1000.0
+    print(f"decode kernel, T={tokens} D={dim} I={inter} E={experts} k={topk} block_m={block_m}: {t.shape[0]} blocks "
+          "(us from the first block's start; min / median / max over blocks)")
+    for i, name in enumerate(POINTS):
+        c = t[:, i]
+        print(f"  {name:22s} {c.min().item():8.2f} {c.median().item():8.2f} {c.max().item():8.2f}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", action="append", help="T,D,I,E,k (repeatable); default: 1 and 4 tokens of "
+                    "7168/256 E256 top-8, 1 token of 4096/14336 E8 top-2")
+    ap.add_argument("--block-m", type=int, default=8)
+    a = ap.parse_args(argv)
+    shapes = a.shape or ["1,7168,256,256,8", "4,7168,256,256,8", "1,4096,14336,8,2"]
+    for s in shapes:
+        run(*map(int, s.split(",")), block_m=a.block_m)
+
+
+if __name__ == "__main__":
+    main()
