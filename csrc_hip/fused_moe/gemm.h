@@ -242,9 +242,17 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       bind();
       if (tok) hooks.wait_item(cur.mb);
     }
+    constexpr bool kWAll = C::kWCopies * KT == M::kRows * C::kChunks, kXAll = C::kXCopies * KT == M::kToks * C::kChunks;
+    // The stage's token rows' pairs, for the mma step and the epilogue, even for a stage past the end
+    // of a short last part (split K): its item's epilogue runs on this slot.
+#pragma unroll
+    for (int j = 0; j < C::kXCopies; ++j) {
+      const int m = r0 + j * C::kRowStep;
+      if (!tok || (!kXAll && m >= M::kToks)) break;
+      if (c0 == 0) pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
+    }
     if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
     const int k0 = kc * M::kBK;
-    constexpr bool kWAll = C::kWCopies * KT == M::kRows * C::kChunks, kXAll = C::kXCopies * KT == M::kToks * C::kChunks;
     T* ws = w_s + (slot * M::kRows + r0) * M::kLd + c0 * C::kVec;  // + j * kRowStep rows
     T* xs = x_s + (slot * M::kToks + r0) * M::kLd + c0 * C::kVec;
     if (whole && k0 + M::kBK <= p.K) {
@@ -272,12 +280,6 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
           async_copy16_or_zero(xs + j * C::kRowStep * M::kLd, k_ok ? xsrc[j] + k0 : x, k_ok);
       }
-    }
-#pragma unroll
-    for (int j = 0; j < C::kXCopies; ++j) {
-      const int m = r0 + j * C::kRowStep;
-      if (!tok || (!kXAll && m >= M::kToks)) break;
-      if (c0 == 0) pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
     }
   };
 
