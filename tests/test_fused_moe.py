@@ -216,14 +216,16 @@ def test_split_k_over_few_large_items(dtype, block_m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["grouped", "decode"])
 @pytest.mark.parametrize("block_m", [8, 16, 32])
+@pytest.mark.parametrize("d,i", [(128, 2176), (8704, 16)], ids=["down", "gated"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_with_a_short_last_part(dtype, block_m, variant):
-    """The down GEMM's reduction is 17 k-stages of 128 (I = 2176) over few items (D = 128: 2 n-tiles
-    per m-block), so the plan splits K 16 ways into 9 parts of 2 stages: the last part's second stage
-    lies past the end. That stage loads nothing, but its item's epilogue runs on its pipeline slot and
-    reads the slot's pair of each token row, which must be this item's (a slot left from another item,
-    or never written, sends the sums to the wrong rows or out of bounds)."""
-    t, d, i, e, k = 3, 128, 2176, 4, 2
+def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
+    """A long reduction over few items, so the plan splits K 16 ways into parts whose last one is
+    short: the down GEMM's 17 k-stages of 128 (I = 2176, D = 128: 2 n-tiles per m-block) become 9
+    parts of 2; the gated GEMM's reduction over D = 8704 (17 stages of 512, 34 of 256, 68 of 128 by
+    tile) likewise, with I = 16. A stage past the end loads nothing, but its item's epilogue runs on
+    its pipeline slot and reads the slot's pair of each token row, which must be this item's (a slot
+    left from another item, or never written, sends the sums to the wrong rows or out of bounds)."""
+    t, e, k = 3, 4, 2
     x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=17)
     for rep in range(2):
         res = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant=variant, msg=f"short last part {rep} ")
