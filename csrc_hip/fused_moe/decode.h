@@ -166,7 +166,7 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Route<BM>& r = *reinterpret_cast<Route<BM>*>(smem_raw + C::kRouteAt);
   trace_point(0);
-  trace_point(3);
+  trace_point(3);  // DownHooks overwrites it at each release; a block with no down item keeps its start
   route(d.ids, d.expert_map, g1.num_pairs, d.num_experts, r);
   trace_point(1);
   int* ready = d.sync;
