@@ -218,7 +218,7 @@ def _log_untuned(schema: Schema, arch: str, cu_count: int, shape: dict, choice) 
     with _lock:
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         with open(path, "a", newline="") as fh:
-            w = csv.writer(fh)
+            w = csv.writer(fh, lineterminator="\n")
             if new:
                 w.writerow(cols)
             w.writerow([schema.op, arch, cu_count, *(shape[k] for k in schema.exact_keys),
