@@ -128,6 +128,18 @@ struct GemmCfg {
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
   static_assert(M::kRows % 16 == 0 && M::kLd % kVec == 0 && kW % 16 == 0 && kX % 16 == 0, "16-byte rows");
+
+  // body(j, r) for each of this thread's rows r = r0 + j * kRowStep (j < kCopies) of a kLimit-row tile.
+  template <int kCopies, int kLimit, typename F>
+  static HK_DEVICE void for_rows(int r0, const F& body) {
+    constexpr bool kAll = kCopies * kRowStep == kLimit;  // every thread has kCopies rows
+#pragma unroll
+    for (int j = 0; j < kCopies; ++j) {
+      const int r = r0 + j * kRowStep;
+      if (!kAll && r >= kLimit) break;
+      body(j, r);
+    }
+  }
 };
 
 // The m-block, n-tile, expert and (per X copy of this thread) pair of an item.
@@ -142,7 +154,7 @@ struct Item {
     expert = p.expert_ids[mb];
 #pragma unroll
     for (int j = 0; j < kXCopies; ++j) {
-      const int m = (threadIdx.x + j * kThreads) / kChunks;
+      const int m = threadIdx.x / kChunks + j * (kThreads / kChunks);  // load()'s rows: r0 + j * kRowStep
       pair[j] = m < bm ? p.sorted_ids[(int64_t)mb * bm + m] : p.num_pairs;
     }
   }
@@ -242,44 +254,30 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       bind();
       if (tok) hooks.wait_item(cur.mb);
     }
-    constexpr bool kWAll = C::kWCopies * KT == M::kRows * C::kChunks, kXAll = C::kXCopies * KT == M::kToks * C::kChunks;
+    const auto wrows = [&](auto body) { C::template for_rows<C::kWCopies, M::kRows>(r0, body); };
+    const auto xrows = [&](auto body) { C::template for_rows<C::kXCopies, M::kToks>(r0, body); };
     // The stage's token rows' pairs, for the mma step and the epilogue, even for a stage past the end
     // of a short last part (split K): its item's epilogue runs on this slot.
-#pragma unroll
-    for (int j = 0; j < C::kXCopies; ++j) {
-      const int m = r0 + j * C::kRowStep;
-      if (!tok || (!kXAll && m >= M::kToks)) break;
-      if (c0 == 0) pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
-    }
+    if (tok && c0 == 0) xrows([&](int j, int m) { pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs; });
     if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
     const int k0 = kc * M::kBK;
-    T* ws = w_s + (slot * M::kRows + r0) * M::kLd + c0 * C::kVec;  // + j * kRowStep rows
-    T* xs = x_s + (slot * M::kToks + r0) * M::kLd + c0 * C::kVec;
+    T* ws = w_s + slot * M::kRows * M::kLd + c0 * C::kVec;  // + row * kLd
+    T* xs = x_s + slot * M::kToks * M::kLd + c0 * C::kVec;
     if (whole && k0 + M::kBK <= p.K) {
-#pragma unroll
-      for (int j = 0; j < C::kWCopies; ++j) {
-        if (!wgt || (!kWAll && r0 + j * C::kRowStep >= M::kRows)) break;
-        async_copy16(ws + j * C::kRowStep * M::kLd, wsrc[j] + k0);
-      }
-#pragma unroll
-      for (int j = 0; j < C::kXCopies; ++j) {
-        if (!tok || (!kXAll && r0 + j * C::kRowStep >= M::kToks)) break;
-        if (xsrc[j]) async_copy16(xs + j * C::kRowStep * M::kLd, xsrc[j] + k0);
-      }
+      if (wgt) wrows([&](int j, int r) { async_copy16(ws + r * M::kLd, wsrc[j] + k0); });
+      if (tok) xrows([&](int j, int m) {
+        if (xsrc[j]) async_copy16(xs + m * M::kLd, xsrc[j] + k0);
+      });
     } else {  // rows past N or an invalid expert (zeros: they contribute 0), columns past K (zeros)
       const bool k_ok = k0 + c0 * C::kVec < p.K;
-#pragma unroll
-      for (int j = 0; j < C::kWCopies; ++j) {
-        if (!wgt || (!kWAll && r0 + j * C::kRowStep >= M::kRows)) break;
+      if (wgt) wrows([&](int j, int r) {
         const bool ok = wsrc[j] != nullptr && k_ok;
-        async_copy16_or_zero(ws + j * C::kRowStep * M::kLd, ok ? wsrc[j] + k0 : w, ok);
-      }
-#pragma unroll
-      for (int j = 0; j < C::kXCopies; ++j) {
-        if (!tok || (!kXAll && r0 + j * C::kRowStep >= M::kToks)) break;
+        async_copy16_or_zero(ws + r * M::kLd, ok ? wsrc[j] + k0 : w, ok);
+      });
+      if (tok) xrows([&](int j, int m) {
         if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
-          async_copy16_or_zero(xs + j * C::kRowStep * M::kLd, k_ok ? xsrc[j] + k0 : x, k_ok);
-      }
+          async_copy16_or_zero(xs + m * M::kLd, k_ok ? xsrc[j] + k0 : x, k_ok);
+      });
     }
   };
 
