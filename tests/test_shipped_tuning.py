@@ -24,6 +24,12 @@ def test_something_is_shipped():
     assert (RESULTS / "sm_90" / "paged_attention.csv") in SHIPPED
 
 
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*/*.csv")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_files_have_lf_line_endings(path):
+    """As the tuner writes them (core.write_csv), so that a merge diffs only the rows it changed."""
+    assert b"\r" not in path.read_bytes()
+
+
 def _shape(schema, r) -> dict:
     return {k: (int(r[k]) if r[k].isdigit() else r[k]) for k in schema.exact_keys + schema.bucket_keys}
 

@@ -179,6 +179,7 @@ def test_existing_faster_row_survives_and_rows_of_unfinished_shapes_stay_out(fre
     core.write_csv(fresh, old, FAKE_SCHEMA.columns)
     runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
     assert [(r["variant"], r["us"]) for r in rows_of(fresh)] == [("a", "1.000")]
+    assert b"\r" not in fresh.read_bytes() + core.candidates_path(fresh).read_bytes()  # LF, as shipped
     new = core.make_row(FAKE_SCHEMA, FAKE.device_info(0), shapes(("ok", 8))[0], Candidate("a"), "ok", 3.0, 1, 0.0,
                         "", {"date": "2026-11-21", "commit": ""})
     core.save(FAKE_SCHEMA, fresh, [new], complete_keys=set())
