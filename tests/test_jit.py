@@ -205,3 +205,17 @@ def test_every_shipped_module_builds_and_loads(arch, jit_dir, tmp_path):
         if spec.name.startswith("topk_softmax") and not torch.cuda.is_available():
             rc = mod.hk_topk_softmax(None, None, None, 4, 8, 2, 1, 0, None)
             assert rc != 0 and "failed" in mod.last_error()
+
+
+def test_module_override_is_what_module_for_returns_then_is_undone():
+    """The ops' per-device module cache: an override (a diagnostic build, say) is found under the same
+    key as the op's lookup whatever the keyword order, and the previous entry comes back after it."""
+    from hipkern.ops import _common
+
+    first, second = object(), object()
+    with _common.module_override(first, "fake_family", 7, dtype="bfloat16", block_m=8):
+        assert _common.module_for("fake_family", 7, block_m=8, dtype="bfloat16") is first
+        with _common.module_override(second, "fake_family", 7, block_m=8, dtype="bfloat16"):
+            assert _common.module_for("fake_family", 7, dtype="bfloat16", block_m=8) is second
+        assert _common.module_for("fake_family", 7, dtype="bfloat16", block_m=8) is first
+    assert not any(k[0] == "fake_family" for k in _common._modules)

@@ -36,9 +36,8 @@ def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int
     from hipkern.ops import _common
 
     mod = traced_module(block_m)
-    dev = torch.cuda.current_device()
-    _common._modules[("fused_moe", dev, "bfloat16", block_m)] = mod  # the op calls the traced copy
-    try:
+    with _common.module_override(mod, "fused_moe", torch.cuda.current_device(), dtype="bfloat16",
+                                 block_m=block_m):  # the op calls the traced copy
         g = torch.Generator(device="cuda").manual_seed(0)
         w1 = torch.randn(experts, 2 * inter, dim, device="cuda", dtype=torch.bfloat16, generator=g) * dim ** -0.5
         w2 = torch.randn(experts, dim, inter, device="cuda", dtype=torch.bfloat16, generator=g) * inter ** -0.5
@@ -49,8 +48,6 @@ def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int
         for _ in range(calls):
             hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant="decode")
         torch.cuda.synchronize()
-    finally:
-        del _common._modules[("fused_moe", dev, "bfloat16", block_m)]
     buf = (ctypes.c_uint64 * (MAX_BLOCKS * 8))()
     mod.check(mod.hk_fused_moe_trace(ctypes.addressof(buf), MAX_BLOCKS), "fused_moe trace")
     t = torch.tensor(list(buf), dtype=torch.float64).view(MAX_BLOCKS, 8)

@@ -1,12 +1,14 @@
 """What every op shares: the torch library, argument checks, and per-device module lookup."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import jit
 
 __all__ = ["lib", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES", "on_device",
-           "raw_stream", "module_for"]
+           "raw_stream", "module_for", "module_override"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -67,9 +69,13 @@ def raw_stream(device_index: int) -> int:
 _modules: dict = {}
 
 
+def _module_key(family: str, device_index: int, params: dict) -> tuple:
+    return (family, device_index, *sorted(params.items()))
+
+
 def module_for(family: str, device_index: int, **params) -> jit.Module:
     """The module of `family` with `params` for the arch of GPU `device_index` (built on first use)."""
-    key = (family, device_index, *params.values())
+    key = _module_key(family, device_index, params)
     mod = _modules.get(key)
     if mod is None:
         mod = jit.load(jit.spec(family, **params), jit.current_arch(device_index))
@@ -87,3 +93,19 @@ def check_routing_out(out, num_tokens: int, topk: int) -> dict:
     check_tensor("out[0] (weights)", out[0], dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
     check_tensor("out[1] (ids)", out[1], dtypes=(torch.int32,), shape=(num_tokens, topk), gpu=False)
     return {"out[0] (weights)": out[0], "out[1] (ids)": out[1]}
+
+
+@contextlib.contextmanager
+def module_override(mod: jit.Module, family: str, device_index: int, **params):
+    """Within the block, module_for(family, device_index, **params) returns `mod` (a diagnostic build of
+    the same module, say); the module cached before, if any, is restored after it."""
+    key = _module_key(family, device_index, params)
+    before = _modules.get(key)
+    _modules[key] = mod
+    try:
+        yield mod
+    finally:
+        if before is None:
+            del _modules[key]
+        else:
+            _modules[key] = before
