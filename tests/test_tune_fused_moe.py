@@ -1,12 +1,13 @@
 """The tuner's fused_moe adapter (CPU: shapes, candidates, the shipped shape list's plan; a database
-row reaching the op's block_m choice) and (GPU) a small real tuning run."""
+row reaching the op's variant and block_m choice) and (GPU) a small real tuning run."""
 import csv
 
 import pytest
 import torch
 
 from hipkern import tuning_db
-from hipkern.ops.fused_moe import BLOCK_MS, block_ms_for, choose_block_m, default_block_m
+from hipkern.ops.fused_moe import (BLOCK_MS, DECODE_MAX_BLOCK_M, VARIANTS, block_ms_for, choose_block_m, choose_config,
+                                   default_block_m)
 from hipkern.tune import core
 from hipkern.tune.__main__ import main
 from hipkern.tune.core import Candidate
@@ -38,6 +39,20 @@ def test_candidates_are_every_block_m_of_the_dtype_heuristic_first(dtype):
     assert (128 in [c.kwargs["block_m"] for c in kept]) == (dtype != "float32")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("tokens,decode", [("1", True), ("4", True), ("5", False)])  # top-8: 8, 32, 40 pairs
+def test_few_pairs_add_the_decode_variant_at_each_block_m_it_takes(dtype, tokens, decode):
+    s = ADAPTER.parse_shape({**RAW, "dtype": dtype, "tokens": tokens})
+    kept = ADAPTER.candidates(s, ADAPTER.info_for("sm_90", 132)).kept
+    assert kept[0] == ADAPTER.heuristic(s)
+    # the heuristic is what the op runs without a row: decode for 16-bit types where it fits
+    assert kept[0].variant == ("decode" if decode and dtype != "float32" else "grouped")
+    by_variant = {v: sorted(c.kwargs["block_m"] for c in kept if c.variant == v) for v in VARIANTS}
+    assert by_variant["grouped"] == sorted(block_ms_for(getattr(torch, dtype)))
+    assert by_variant["decode"] == ([b for b in sorted(block_ms_for(getattr(torch, dtype))) if b <= DECODE_MAX_BLOCK_M]
+                                    if decode else [])
+
+
 def test_shipped_shape_list_plans_without_a_gpu(capsys):
     assert main(["fused_moe", "--dry-run", "--arch", "sm_90", "--cu-count", "132"]) == 0
     assert "42 shapes to tune" in capsys.readouterr().out
@@ -65,12 +80,30 @@ def test_a_database_row_sets_block_m_and_misses_fall_back(fresh, monkeypatch):
     assert set(BLOCK_MS) >= set(block_ms_for(torch.float32))
 
 
+def test_a_decode_row_is_taken_where_decode_can_run(fresh, monkeypatch):
+    # top-12 (a shape with no shipped row): 2 tokens make 24 pairs, 3 tokens 36 (over decode's 32)
+    shape = ADAPTER.parse_shape({**RAW, "topk": "12", "tokens": "2"})
+    row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, Candidate.of("decode", block_m=16),
+                        "ok", 90.0, 10**8, 0.0, "", {"date": "2026-11-23", "commit": "abc"})
+    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
+    tuning_db.reset()
+    assert choose_config("sm_90", 132, 2, 7168, 256, 256, 12, torch.bfloat16) == ("decode", 16)  # exact
+    assert choose_config("sm_90", 132, 1, 7168, 256, 256, 12, torch.bfloat16) == ("decode", 16)  # nearest
+    # the nearest row for 3 tokens, but 36 pairs: the row's block_m, the grouped variant
+    assert choose_config("sm_90", 132, 3, 7168, 256, 256, 12, torch.bfloat16) == ("grouped", 16)
+    assert choose_block_m("sm_90", 132, 3, 7168, 256, 256, 12, torch.bfloat16) == 16
+
+
 @pytest.mark.gpu
 def test_tuning_run_writes_checked_rows(tmp_path):
     out = tmp_path / "fused_moe.csv"
     assert main(["fused_moe", "--shape", "dtype=bfloat16,model_dim=256,inter_dim=128,num_experts=16,topk=2,tokens=8",
                  "--out", str(out), "--no-progress"]) == 0
     rows = list(csv.DictReader(open(out, newline="")))
-    assert len(rows) == 1 and rows[0]["variant"] == "grouped" and int(rows[0]["block_m"]) in BLOCK_MS
+    assert len(rows) == 1 and rows[0]["variant"] in VARIANTS and int(rows[0]["block_m"]) in BLOCK_MS
     log = list(csv.DictReader(open(tmp_path / "fused_moe.candidates.csv", newline="")))
-    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS)
+    # 8 tokens x top-2: 16 pairs, so decode too at every block_m up to DECODE_MAX_BLOCK_M
+    decode = [b for b in BLOCK_MS if b <= DECODE_MAX_BLOCK_M]
+    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS) + len(decode)
+    assert sorted(int(r["block_m"]) for r in log if r["variant"] == "decode") == decode

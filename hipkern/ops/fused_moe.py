@@ -13,7 +13,7 @@ from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for",
-           "choose_block_m", "choose_variant", "default_block_m"]
+           "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
@@ -64,23 +64,41 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
-                   topk: int, dtype) -> int:
-    """block_m for block_m=None: the tuning database's row for this shape (exact, else nearest by the
-    token bucket), else default_block_m."""
+def decode_fits(num_tokens: int, topk: int, block_m: int) -> bool:
+    """Whether the decode variant can run this call: at most DECODE_MAX_PAIRS routed pairs, block_m <= DECODE_MAX_BLOCK_M."""
+    return num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
+
+
+def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
+                  topk: int, dtype) -> tuple:
+    """(variant, block_m) for variant=None and block_m=None: the tuning database's row for this shape
+    (exact, else nearest by the token bucket), its variant kept where it can run these tokens (a
+    nearest row's "decode" may not: then choose_variant's); without a row, default_block_m and
+    choose_variant."""
     choice = tuning_db.lookup("fused_moe", arch, cu_count, dtype=DTYPE_NAMES[dtype], model_dim=dim,
                               inter_dim=inter_dim, num_experts=num_experts, topk=topk,
                               tokens=tuning_db.bucket(num_tokens))
     bm = choice.params.get("block_m") if choice else None
-    return bm if bm in block_ms_for(dtype) else default_block_m(num_tokens, topk, num_experts, dtype)
+    if bm not in block_ms_for(dtype):
+        bm = default_block_m(num_tokens, topk, num_experts, dtype)
+        return choose_variant(num_tokens, topk, dtype, bm), bm
+    if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
+        return VARIANT, bm
+    return choice.variant, bm
+
+
+def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
+                   topk: int, dtype) -> int:
+    """block_m for block_m=None: choose_config's."""
+    return choose_config(arch, cu_count, num_tokens, dim, inter_dim, num_experts, topk, dtype)[1]
 
 
 def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: int = 8) -> str:
-    """The variant for variant=None: "decode" (one launch) for 16-bit types with at most
-    DECODE_MAX_PAIRS routed pairs and block_m <= DECODE_MAX_BLOCK_M, else "grouped". Measured on the H100 (csrc_hip/fused_moe/NOTES.md):
-    1 token x top-8 of 256 experts, 49.5 us against 57.3; float32 is faster grouped (107 against 120)."""
-    small = num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
-    return "decode" if small and dtype != torch.float32 else VARIANT
+    """The variant for variant=None without a database row (or with block_m given): "decode" (one
+    launch) for 16-bit types where it fits (decode_fits), else "grouped". Measured on the H100
+    (csrc_hip/fused_moe/NOTES.md): 1 token x top-8 of 256 experts, 49.5 us against 57.3; float32 is
+    faster grouped (107 against 120)."""
+    return "decode" if decode_fits(num_tokens, topk, block_m) and dtype != torch.float32 else VARIANT
 
 
 def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None,
@@ -217,12 +235,15 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     if hidden_states.shape[0] == 0:
         return
     _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
-    if not block_m:
+    num_tokens, topk = hidden_states.shape[0], topk_ids.shape[1]
+    if not block_m:  # the database's choice; its variant too unless the caller named one
         dev = hidden_states.get_device()
-        num_experts = _routed_experts(w1, expert_map)
-        block_m = choose_block_m(jit.current_arch(dev), _sm_count(dev), hidden_states.shape[0], hidden_states.shape[1],
-                                 w2.shape[2], num_experts, topk_ids.shape[1], hidden_states.dtype)
-    variant = variant or choose_variant(hidden_states.shape[0], topk_ids.shape[1], hidden_states.dtype, block_m)
+        chosen, block_m = choose_config(jit.current_arch(dev), _sm_count(dev), num_tokens, hidden_states.shape[1],
+                                        w2.shape[2], _routed_experts(w1, expert_map), topk, hidden_states.dtype)
+        if variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
+            block_m = DECODE_MAX_BLOCK_M
+        variant = variant or chosen
+    variant = variant or choose_variant(num_tokens, topk, hidden_states.dtype, block_m)
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               expert_map, block_m, variant, out)
 
@@ -274,9 +295,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
             either way (no TF32 path yet).
         validate: check the ids and expert_map values first (syncs with the device).
         block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
-            the tuning database's choice for this shape (choose_block_m), else default_block_m.
+            the tuning database's choice for this shape (choose_config), else default_block_m.
         variant: "grouped" (moe_sorting, two grouped GEMMs, a combine), "decode" (the same in one
-            launch; at most DECODE_MAX_PAIRS routed pairs) or None: choose_variant's choice.
+            launch; at most DECODE_MAX_PAIRS routed pairs) or None: with block_m=None the tuning
+            database's choice (choose_config), else choose_variant's.
 
     Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
     before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),

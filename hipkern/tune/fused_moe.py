@@ -1,7 +1,8 @@
-"""The tuner's adapter for fused_moe (hipkern/ops/fused_moe.py): block_m per shape.
+"""The tuner's adapter for fused_moe (hipkern/ops/fused_moe.py): variant and block_m per shape.
 
-Candidates: every block_m the dtype offers (block_ms_for), the heuristic default (default_block_m)
-first. Inputs: one set of expert weights per (dtype, model_dim, inter_dim, num_experts), reused by
+Candidates: every block_m the dtype offers (block_ms_for), each as "grouped" and, where it fits
+(decode_fits: few routed pairs), as "decode"; the heuristic default (default_block_m with
+choose_variant's variant, what the op runs without a row) first. Inputs: one set of expert weights per (dtype, model_dim, inter_dim, num_experts), reused by
 that group's token counts (largest first); uniform routing (distinct random experts per token, as a
 router gives), random positive weights normalised per row. The weights are no argument of the timed
 call, so run_perftest flushes L2 before each call: every call streams its activated experts from
@@ -15,7 +16,7 @@ import contextlib
 import torch
 
 from .. import tuning_db
-from ..ops.fused_moe import VARIANT, block_ms_for, default_block_m, fused_moe
+from ..ops.fused_moe import VARIANT, block_ms_for, choose_variant, decode_fits, default_block_m, fused_moe
 from ..ops.moe_sorting import MAX_EXPERTS
 from ..reference import fused_moe_ref
 from .core import Candidate, Pruned, arch_info, gpu_info, perftest_us
@@ -66,12 +67,14 @@ class FusedMoeTuner:
         return (s["dtype"], s["model_dim"], s["inter_dim"], s["num_experts"], s["topk"], -s["tokens"])
 
     def heuristic(self, s) -> Candidate:
-        return Candidate.of(VARIANT, block_m=default_block_m(s["tokens"], s["topk"], s["num_experts"],
-                                                                    DTYPES[s["dtype"]]))
+        dtype = DTYPES[s["dtype"]]
+        bm = default_block_m(s["tokens"], s["topk"], s["num_experts"], dtype)
+        return Candidate.of(choose_variant(s["tokens"], s["topk"], dtype, bm), block_m=bm)
 
     def candidates(self, s, info) -> Pruned:
         first = self.heuristic(s)
-        rest = [Candidate.of(VARIANT, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])]
+        rest = [Candidate.of(v, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])
+                for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b)]
         return Pruned([first] + [c for c in rest if c != first])
 
     @staticmethod
@@ -135,30 +138,30 @@ class _Bench:
         self.ref = fused_moe_ref(self.x[:n], w1, w2, self.tw[:n], self.ids[:n], compute_dtype=torch.float64,
                                  intermediate_dtype=inter)
         self.n = n
-        self.block_m = None
+        self.block_m = self.variant = None
 
     @contextlib.contextmanager
     def use(self, cand: Candidate):
-        self.block_m = cand.kwargs["block_m"]
+        self.block_m, self.variant = cand.kwargs["block_m"], cand.variant
         try:
             yield
         finally:
-            self.block_m = None
+            self.block_m = self.variant = None
 
     def new_output(self):
         return torch.empty_like(self.x)
 
     def call(self, out):
-        fused_moe(self.x, self.w1, self.w2, self.tw, self.ids, out=out, block_m=self.block_m)
+        fused_moe(self.x, self.w1, self.w2, self.tw, self.ids, out=out, block_m=self.block_m, variant=self.variant)
 
     def checked(self, out):
         return out[: self.n], self.ref
 
     def time_us(self) -> float:
-        w1, w2, bm = self.w1, self.w2, self.block_m
+        w1, w2, bm, var = self.w1, self.w2, self.block_m, self.variant
 
         def call(x, tw, ids, out):
-            return fused_moe(x, w1, w2, tw, ids, out=out, block_m=bm)
+            return fused_moe(x, w1, w2, tw, ids, out=out, block_m=bm, variant=var)
 
         return perftest_us(call, self.x, self.tw, self.ids, self.out, iters=self.iters, warmup=self.warmup,
                            max_copies=1)
