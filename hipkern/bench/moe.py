@@ -21,8 +21,6 @@ Routing "uniform": distinct random experts per token, random positive weights no
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import itertools
 import math
 from dataclasses import dataclass
@@ -31,7 +29,9 @@ from pathlib import Path
 import torch
 
 import hipkern
+from hipkern import jit
 from hipkern.ops._common import DTYPE_NAMES
+from hipkern.ops.fused_moe import choose_config, choose_variant
 from hipkern.reference import fused_moe_ref
 from hipkern.testing import BenchTable, checkAllclose, l2_bytes, poison, run_perftest
 
@@ -48,7 +48,7 @@ DTYPE_ALIASES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": to
                  "bf16": torch.bfloat16}
 MAX_ROUTINGS = 16
 COLUMNS = ["dtype", "tokens", "model_dim", "inter_dim", "E", "topk", "routing", "naive_us", "custom_us",
-           "speedup_pct", "weight_MB", "TBps", "pct_of_copy_bw", "block_m", "max_err", "check"]
+           "speedup_pct", "weight_MB", "TBps", "pct_of_copy_bw", "config", "max_err", "check"]
 
 
 @dataclass(frozen=True)
@@ -178,14 +178,16 @@ def timed(fn, sets, iters: int, warmup: int) -> float:
     return us
 
 
-def auto_block_m(c: Case, block_m: int | None):
-    if block_m is not None:
-        return block_m
-    chooser = getattr(importlib.import_module("hipkern.ops.fused_moe"), "default_block_m", None)
-    if chooser is None:
-        return "auto"
-    takes_dtype = "dtype" in inspect.signature(chooser).parameters
-    return chooser(c.tokens, c.topk, c.experts, **({"dtype": c.dtype} if takes_dtype else {}))
+def launch_config(c: Case, block_m: int | None) -> str:
+    """What the op runs for this case: "variant/block_m" (the tuning database's choice, as the op makes
+    it, unless block_m is pinned)."""
+    if block_m is None:
+        dev = torch.cuda.current_device()
+        variant, bm = choose_config(jit.current_arch(dev), torch.cuda.get_device_properties(dev).multi_processor_count,
+                                    c.tokens, c.model_dim, c.inter_dim, c.experts, c.topk, c.dtype)
+    else:
+        variant, bm = choose_variant(c.tokens, c.topk, c.dtype, block_m), block_m
+    return f"{variant}/{bm}"
 
 
 def bench_case(c: Case, table: BenchTable, cache: WeightCache, iters: int, naive_iters: int,
@@ -228,19 +230,19 @@ def bench_case(c: Case, table: BenchTable, cache: WeightCache, iters: int, naive
     table.add(dtype=DTYPE_NAMES[c.dtype], tokens=c.tokens, model_dim=c.model_dim, inter_dim=c.inter_dim,
               E=c.experts, topk=c.topk, routing=c.routing, naive_us=naive_us, custom_us=custom_us,
               speedup_pct=speedup, weight_MB=weight_bytes / 1e6, TBps=tbps,
-              pct_of_copy_bw=100 * tbps / COPY_BW_TBPS, block_m=auto_block_m(c, block_m),
+              pct_of_copy_bw=100 * tbps / COPY_BW_TBPS, config=launch_config(c, block_m),
               max_err=f"{max_err:.3g}", check="passed" if err == 0 else "FAILED")
     return err != 0
 
 
 def summary(table: BenchTable, nums: list[int]) -> str:
     head = (f"{'Test':>4} {'dtype':>8} {'T':>4} {'D':>5} {'I':>5} {'E':>3} {'k':>1} {'routing':>7} "
-            f"{'naive_us':>10} {'custom_us':>10} {'speedup%':>9} {'TB/s':>6} {'%copy':>6} {'bm':>4} check")
+            f"{'naive_us':>10} {'custom_us':>10} {'speedup%':>9} {'TB/s':>6} {'%copy':>6} {'variant/bm':>11} check")
     lines = [f"# fused_moe summary ({torch.cuda.get_device_name()})", head]
     for n, r in zip(nums, table.rows):
         lines.append(f"{n:>4} {r['dtype']:>8} {r['tokens']:>4} {r['model_dim']:>5} {r['inter_dim']:>5} {r['E']:>3} "
                      f"{r['topk']:>1} {r['routing']:>7} {r['naive_us']:>10.1f} {r['custom_us']:>10.1f} "
-                     f"{r['speedup_pct']:>9.1f} {r['TBps']:>6.3f} {r['pct_of_copy_bw']:>6.1f} {r['block_m']!s:>4} "
+                     f"{r['speedup_pct']:>9.1f} {r['TBps']:>6.3f} {r['pct_of_copy_bw']:>6.1f} {r['config']:>11} "
                      f"{r['check']}")
     return "\n".join(lines)
 
