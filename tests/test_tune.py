@@ -172,13 +172,19 @@ def test_merge_rule():
     assert merge_best(FAKE_SCHEMA, rows[:2] + [r("a", 9, "2026-11-03")])[0]["date"] == "2026-11-03"
 
 
-def test_existing_faster_row_survives_and_rows_of_unfinished_shapes_stay_out(fresh):
+def test_a_faster_row_survives_unless_its_candidate_is_measured_again(fresh):
     runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
     old = rows_of(fresh)
-    old[0].update(variant="a", tile="", us="1.000", date="2026-01-01")  # an older, faster row
+    old[0].update(variant="a", tile="7", us="1.000", date="2026-01-01")  # a candidate this run does not time
     core.write_csv(fresh, old, FAKE_SCHEMA.columns)
     runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
-    assert [(r["variant"], r["us"]) for r in rows_of(fresh)] == [("a", "1.000")]
+    assert [(r["variant"], r["tile"], r["us"]) for r in rows_of(fresh)] == [("a", "7", "1.000")]
+    # an older, faster time of a candidate timed again (code since changed) is replaced by the new one
+    old = rows_of(fresh)
+    old[0].update(variant="a", tile="", us="1.000", date="2026-01-01")
+    core.write_csv(fresh, old, FAKE_SCHEMA.columns)
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    assert [r["variant"] + r["tile"] for r in rows_of(fresh)] == ["b2"]  # the run's best: a times 10 again
     assert b"\r" not in fresh.read_bytes() + core.candidates_path(fresh).read_bytes()  # LF, as shipped
     new = core.make_row(FAKE_SCHEMA, FAKE.device_info(0), shapes(("ok", 8))[0], Candidate("a"), "ok", 3.0, 1, 0.0,
                         "", {"date": "2026-11-21", "commit": ""})

@@ -260,14 +260,19 @@ def merge_best(schema, rows) -> list:
 
 def save(schema, out, new_rows, complete_keys) -> int:
     """Merge `new_rows` into the candidates file (latest row per key and candidate) and the rows of
-    `complete_keys` into the database file; returns the database's row count."""
+    `complete_keys` into the database file; returns the database's row count. A database row whose
+    candidate `new_rows` measured again is replaced by that measurement (the code it timed may have
+    changed since), so a re-tune chooses among current times; rows of candidates not measured again
+    (another machine's, added by hand) still compete with them."""
     cpath = candidates_path(out)
     latest = {}
     for r in _load(schema, cpath) + list(new_rows):
         latest[(row_key(schema, r), candidate_of(schema, r).name)] = r
     rows = [latest[k] for k in sorted(latest)]
     write_csv(cpath, rows, schema.columns + STATUS_COLUMNS)
-    db = merge_best(schema, _load(schema, out) + [r for r in rows if row_key(schema, r) in complete_keys])
+    again = {(row_key(schema, r), candidate_of(schema, r).name) for r in new_rows}
+    kept = [r for r in _load(schema, out) if (row_key(schema, r), candidate_of(schema, r).name) not in again]
+    db = merge_best(schema, kept + [r for r in rows if row_key(schema, r) in complete_keys])
     write_csv(out, db, schema.columns)
     return len(db)
 
