@@ -121,13 +121,20 @@ struct GatedHooks {
     }
   }
 };
+// The m-blocks a block has seen complete (`seen`, a bit each) need no second wait: its later items of
+// the same m-block (a block's items often share one) skip the wait's L2 round trip. Every thread
+// makes the same calls, so every thread's copy of `seen` is the same.
 struct DownHooks {
   const int* ready;
   int items;
+  mutable unsigned seen = 0u;
+  static_assert(kDecodePairs <= 32, "seen: a bit per m-block");
   HK_DEVICE void wait_input() const {}
   HK_DEVICE void wait_item(int mb) const {  // every thread calls it (from the loader)
+    if (seen >> mb & 1u) return;
     if (threadIdx.x == 0) spin_until_at_least(ready + mb, items);
     __syncthreads();
+    seen |= 1u << mb;
     trace_point(3);  // the last release is the one kept
   }
   HK_DEVICE void item_done(int) const {}
