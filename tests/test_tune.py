@@ -192,6 +192,16 @@ def test_a_faster_row_survives_unless_its_candidate_is_measured_again(fresh):
     assert len(rows_of(fresh)) == 1 and len(rows_of(core.candidates_path(fresh))) == 7
 
 
+def test_the_default_keeps_a_shape_unless_beaten_by_more_than_the_margin(fresh, monkeypatch):
+    # b[tile=2] times 0.75 x COST["b"]: the default "a" within DEFAULT_MARGIN of it keeps the shape
+    monkeypatch.setitem(COST, "a", 0.75 * COST["b"] * (1 + core.DEFAULT_MARGIN / 2))
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    assert [r["variant"] + r["tile"] for r in rows_of(fresh)] == ["a"]
+    monkeypatch.setitem(COST, "a", 0.75 * COST["b"] * (1 + 2 * core.DEFAULT_MARGIN))  # now beaten by more
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    assert [r["variant"] + r["tile"] for r in rows_of(fresh)] == ["b2"]
+
+
 def test_skip_done_restores_missing_database_rows_and_bad_files_are_named(fresh):
     runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
     fresh.unlink()  # e.g. killed between writing the candidates file and the database

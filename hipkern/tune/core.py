@@ -258,12 +258,30 @@ def merge_best(schema, rows) -> list:
     return [best[k] for k in sorted(best)]
 
 
-def save(schema, out, new_rows, complete_keys) -> int:
+# The heuristic default (what the op runs without a row) keeps a shape unless another candidate is
+# faster by more than this: a tuner run's timing noise, so that a tie is not settled by noise.
+DEFAULT_MARGIN = 0.02
+
+
+def prefer_default(schema, rows, default_of) -> list:
+    """`rows` (one key's latest measurements) reduced to the default's row when that is within
+    DEFAULT_MARGIN of the fastest; default_of(row) names the key's default candidate."""
+    ok = [r for r in rows if r.get("status", "ok") in ("ok", "", None) and r["variant"] in schema.variants]
+    if not ok or default_of is None:
+        return rows
+    best = min(float(r["us"]) for r in ok)
+    name = default_of(ok[0])
+    default = [r for r in ok if candidate_of(schema, r).name == name]
+    return default if default and float(default[0]["us"]) <= best * (1 + DEFAULT_MARGIN) else rows
+
+
+def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
     """Merge `new_rows` into the candidates file (latest row per key and candidate) and the rows of
     `complete_keys` into the database file; returns the database's row count. A database row whose
     candidate `new_rows` measured again is replaced by that measurement (the code it timed may have
     changed since), so a re-tune chooses among current times; rows of candidates not measured again
-    (another machine's, added by hand) still compete with them."""
+    (another machine's, added by hand) still compete with them. With default_of (a row -> the name
+    of its shape's heuristic default candidate), a key's default wins within DEFAULT_MARGIN."""
     cpath = candidates_path(out)
     latest = {}
     for r in _load(schema, cpath) + list(new_rows):
@@ -272,7 +290,12 @@ def save(schema, out, new_rows, complete_keys) -> int:
     write_csv(cpath, rows, schema.columns + STATUS_COLUMNS)
     again = {(row_key(schema, r), candidate_of(schema, r).name) for r in new_rows}
     kept = [r for r in _load(schema, out) if (row_key(schema, r), candidate_of(schema, r).name) not in again]
-    db = merge_best(schema, kept + [r for r in rows if row_key(schema, r) in complete_keys])
+    per_key = {}
+    for r in rows:
+        if row_key(schema, r) in complete_keys:
+            per_key.setdefault(row_key(schema, r), []).append(r)
+    chosen = [r for k in sorted(per_key) for r in prefer_default(schema, per_key[k], default_of)]
+    db = merge_best(schema, kept + chosen)
     write_csv(out, db, schema.columns)
     return len(db)
 

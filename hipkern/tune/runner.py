@@ -115,7 +115,8 @@ class Run:
         return self.summary.complete | {head + shape_key(self.schema, self.jobs[i]["shape"]) for i in self.summary.done}
 
     def save(self) -> None:
-        self.summary.db_rows = core.save(self.schema, self.out, self.rows, self.complete_keys())
+        self.summary.db_rows = core.save(self.schema, self.out, self.rows, self.complete_keys(),
+                                         default_of(self.adapter))
         self.saved_at = core._now()
 
     def checkpoint(self) -> None:
@@ -206,6 +207,11 @@ def device_info(adapter, gpus, device=0) -> dict:
     return infos[0]
 
 
+def default_of(adapter):
+    """A database or candidates row -> the name of its shape's heuristic default candidate."""
+    return lambda row: adapter.heuristic(adapter.parse_shape(row)).name
+
+
 def tune(adapter, shapes, out, *, spec=None, gpus=None, device=0, skip_done=False, time_limit=None, progress=True,
          dry_run=False, info=None) -> Summary:
     """Tune `shapes` into `out` (see core). gpus: shard over one worker process per listed GPU (the
@@ -216,7 +222,7 @@ def tune(adapter, shapes, out, *, spec=None, gpus=None, device=0, skip_done=Fals
     if dry_run:
         return summary
     if not jobs:  # every shape measured before: make sure each has its database row
-        summary.db_rows = core.save(adapter.schema, out, [], summary.complete)
+        summary.db_rows = core.save(adapter.schema, out, [], summary.complete, default_of(adapter))
         return summary
     run_stamp = core.stamp()
     run = Run(adapter, Path(out), jobs, info, run_stamp, summary, progress)
