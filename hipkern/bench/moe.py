@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 
 import hipkern
-from hipkern import jit
 from hipkern.ops._common import DTYPE_NAMES
-from hipkern.ops.fused_moe import choose_config, choose_variant
+from hipkern.ops.fused_moe import launch_choice
 from hipkern.reference import fused_moe_ref
 from hipkern.testing import BenchTable, checkAllclose, l2_bytes, poison, run_perftest
 
@@ -179,14 +178,9 @@ def timed(fn, sets, iters: int, warmup: int) -> float:
 
 
 def launch_config(c: Case, block_m: int | None) -> str:
-    """What the op runs for this case: "variant/block_m" (the tuning database's choice, as the op makes
-    it, unless block_m is pinned)."""
-    if block_m is None:
-        dev = torch.cuda.current_device()
-        variant, bm = choose_config(jit.current_arch(dev), torch.cuda.get_device_properties(dev).multi_processor_count,
-                                    c.tokens, c.model_dim, c.inter_dim, c.experts, c.topk, c.dtype)
-    else:
-        variant, bm = choose_variant(c.tokens, c.topk, c.dtype, block_m), block_m
+    """What the op runs for this case: "variant/block_m" (launch_choice, the op's own decision)."""
+    variant, bm = launch_choice(torch.cuda.current_device(), c.tokens, c.model_dim, c.inter_dim, c.experts, c.topk,
+                                c.dtype, block_m or 0)
     return f"{variant}/{bm}"
 
 

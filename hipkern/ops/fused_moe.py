@@ -13,7 +13,7 @@ from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for",
-           "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m"]
+           "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m", "launch_choice"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
@@ -99,6 +99,20 @@ def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: in
     (csrc_hip/fused_moe/NOTES.md): 1 token x top-8 of 256 experts, 49.5 us against 57.3; float32 is
     faster grouped (107 against 120)."""
     return "decode" if decode_fits(num_tokens, topk, block_m) and dtype != torch.float32 else VARIANT
+
+
+def launch_choice(device_index: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int, topk: int, dtype,
+                  block_m: int = 0, variant: str = "") -> tuple:
+    """(variant, block_m) the op runs on GPU `device_index` for these arguments (0 / "": not given):
+    without block_m the database's choice (choose_config), its variant too unless one is given;
+    with block_m, choose_variant's variant unless one is given."""
+    if not block_m:
+        chosen, block_m = choose_config(jit.current_arch(device_index), _sm_count(device_index), num_tokens, dim,
+                                        inter_dim, num_experts, topk, dtype)
+        if variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
+            block_m = DECODE_MAX_BLOCK_M
+        variant = variant or chosen
+    return variant or choose_variant(num_tokens, topk, dtype, block_m), block_m
 
 
 def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None,
@@ -235,15 +249,9 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     if hidden_states.shape[0] == 0:
         return
     _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
-    num_tokens, topk = hidden_states.shape[0], topk_ids.shape[1]
-    if not block_m:  # the database's choice; its variant too unless the caller named one
-        dev = hidden_states.get_device()
-        chosen, block_m = choose_config(jit.current_arch(dev), _sm_count(dev), num_tokens, hidden_states.shape[1],
-                                        w2.shape[2], _routed_experts(w1, expert_map), topk, hidden_states.dtype)
-        if variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
-            block_m = DECODE_MAX_BLOCK_M
-        variant = variant or chosen
-    variant = variant or choose_variant(num_tokens, topk, hidden_states.dtype, block_m)
+    variant, block_m = launch_choice(hidden_states.get_device(), hidden_states.shape[0], hidden_states.shape[1],
+                                     w2.shape[2], _routed_experts(w1, expert_map), topk_ids.shape[1],
+                                     hidden_states.dtype, block_m, variant)
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               expert_map, block_m, variant, out)
 

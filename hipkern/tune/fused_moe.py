@@ -2,9 +2,10 @@
 
 Candidates: every block_m the dtype offers (block_ms_for), each as "grouped" and, where it fits
 (decode_fits: few routed pairs), as "decode"; the heuristic default (default_block_m with
-choose_variant's variant, what the op runs without a row) first. Inputs: one set of expert weights per (dtype, model_dim, inter_dim, num_experts), reused by
-that group's token counts (largest first); uniform routing (distinct random experts per token, as a
-router gives), random positive weights normalised per row. The weights are no argument of the timed
+choose_variant's variant, what the op runs without a row) first. Inputs: one set of expert weights
+per (dtype, model_dim, inter_dim, num_experts), reused by that group's token counts (largest
+first); uniform routing (distinct random experts per token, as a router gives), random positive
+weights normalised per row. The weights are no argument of the timed
 call, so run_perftest flushes L2 before each call: every call streams its activated experts from
 memory, as in a model. Bytes: the distinct activated experts' w1 + w2, plus hidden in and out.
 Checked: the first CHECK_TOKENS tokens against the float64 reference, at the tests' tolerances.
