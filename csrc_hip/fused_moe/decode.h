@@ -121,20 +121,39 @@ struct GatedHooks {
     }
   }
 };
-// The m-blocks a block has seen complete (`seen`, a bit each) need no second wait: its later items of
-// the same m-block (a block's items often share one) skip the wait's L2 round trip. Every thread
-// makes the same calls, so every thread's copy of `seen` is the same.
+// The m-blocks a block has seen complete (`seen`, a bit each) need no second wait. A wait polls every
+// m-block's counter at once (a lane of the first wave each) and records all the complete ones, not
+// only the one it waits for: a block's consecutive down items mostly belong to different m-blocks
+// (item b + j G has m-block (b + j G) % n_mblocks), and once the gated phase is over its first wait
+// marks them all, so the later items skip the L2 round trip and the barrier. Every thread makes the
+// same calls and reads the same word (double-buffered: consecutive waits of the prologue have no
+// barrier between them), so every thread's copy of `seen` is the same.
 struct DownHooks {
   const int* ready;
   int items;
+  unsigned* done_s;  // [2] in shared memory
   mutable unsigned seen = 0u;
-  static_assert(kDecodePairs <= 32, "seen: a bit per m-block");
+  mutable int parity = 0;
+  static_assert(kDecodePairs <= 32 && kDecodePairs <= kWaveSize, "seen: a bit per m-block, a lane each");
   HK_DEVICE void wait_input() const {}
   HK_DEVICE void wait_item(int mb) const {  // every thread calls it (from the loader)
     if (seen >> mb & 1u) return;
-    if (threadIdx.x == 0) spin_until_at_least(ready + mb, items);
+    if (threadIdx.x < kWaveSize) {  // the first wave, converged
+      const int lane = threadIdx.x;
+      unsigned done;
+      for (;;) {
+        const bool complete =
+            lane < kDecodePairs && *reinterpret_cast<const volatile int*>(ready + lane) >= items;
+        done = (unsigned)ballot(complete);
+        if (done >> mb & 1u) break;
+        spin_pause();
+      }
+      __threadfence();  // the m-blocks' intermediate rows are read after this
+      if (lane == 0) done_s[parity] = done;
+    }
     __syncthreads();
-    seen |= 1u << mb;
+    seen |= done_s[parity];
+    parity ^= 1;
     trace_point(3);  // the last release is the one kept
   }
   HK_DEVICE void item_done(int) const {}
@@ -159,7 +178,8 @@ struct DecodeCfg {
   static_assert(C1::kThreads == C2::kThreads, "both GEMMs' tiles run in the same blocks");
   static constexpr int kThreads = C1::kThreads;
   static constexpr int kRouteAt = round_up(C1::bytes > C2::bytes ? C1::bytes : C2::bytes, 16);
-  static constexpr int bytes = kRouteAt + (int)sizeof(Route<BM>);
+  static constexpr int kDoneAt = kRouteAt + round_up((int)sizeof(Route<BM>), 16);  // DownHooks::done_s
+  static constexpr int bytes = kDoneAt + 16;
   static_assert(kThreads >= kDecodePairs, "a thread per pair in route()");
   static_assert(BM <= kDecodeMaxBlockM, "the routing table of kDecodePairs x BM rows stays small");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
@@ -183,7 +203,8 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   gemm_phase<T, M1, BM, true>(g1, smem_raw, GatedHooks{ready});
   trace_point(2);
   __syncthreads();  // the down phase reuses the shared memory
-  gemm_phase<T, M2, BM, false>(g2, smem_raw, DownHooks{ready, g1.n_tiles});
+  gemm_phase<T, M2, BM, false>(g2, smem_raw,
+                                DownHooks{ready, g1.n_tiles, reinterpret_cast<unsigned*>(smem_raw + C::kDoneAt)});
   trace_point(4);
 
   // Every block's down items are written: a grid barrier, then the combine.
