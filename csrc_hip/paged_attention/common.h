@@ -63,12 +63,15 @@ HK_DEVICE int64_t partial_row(const Params& p, const BlockWork& w, int h) {
 }
 
 // The per-sequence plan (v5), the same in every block: sequence s has tiles_s = ceil(len_s / kTile)
-// tiles; partitions hold c = ceil(sum tiles_s / split_target) tiles, and at least partition_size
-// tokens (rounded up to whole tiles), so s has
-// n_s = max(1, ceil(tiles_s / c)) of them and sum n_s <= num_seqs + split_target items; item i is
-// partition i - first_s of the sequence s with first_s <= i < first_s + n_s (first_s: the exclusive
-// prefix sum of n). Every thread of the block calls it (barriers). Returns c; sets seq, part and
-// (for the block holding partition 0 of its sequence, KV group 0) records (first_s, n_s).
+// tiles; the target partition holds c = ceil(sum tiles_s / split_target) tiles, and at least
+// partition_size tokens (rounded up to whole tiles), so s has n_s = max(1, round(tiles_s / c)) <=
+// tiles_s partitions, partition j its tiles [j tiles_s / n_s, (j + 1) tiles_s / n_s) (none empty;
+// rounded to the nearest count, not up: a batch of equal lengths just over c stays one partition
+// each, as v16 plans it, instead of c tiles and a sliver), and
+// sum n_s <= num_seqs + split_target items; item i is partition i - first_s of the sequence s with
+// first_s <= i < first_s + n_s (first_s: the exclusive prefix sum of n). Every thread of the block
+// calls it (barriers). Returns tiles_seq; sets seq, part and nparts (the block holding partition 0 of
+// its sequence, KV group 0, records (first_s, n_s)).
 template <int kTile, int kThreads>
 HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, int& nparts) {
   __shared__ int scratch[kThreads / kWaveSize];
@@ -81,7 +84,7 @@ HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, 
   int total;
   block_exclusive_sum<kThreads>(tiles, scratch, total);
   const int c = max((p.partition_size + kTile - 1) / kTile, (total + p.split_target - 1) / p.split_target);
-  auto parts_of = [&](int s) { return max(1, (tiles_of(s) + c - 1) / c); };
+  auto parts_of = [&](int s) { return max(1, (2 * tiles_of(s) + c) / (2 * c)); };
   int n = 0;
   for (int s = s0; s < s1; ++s) n += parts_of(s);
   int first = block_exclusive_sum<kThreads>(n, scratch, total);
@@ -103,7 +106,7 @@ HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, 
   seq = found[0];
   part = found[1];
   nparts = found[2];
-  return c;
+  return seq < 0 ? 0 : tiles_of(seq);
 }
 
 template <int kHeads, int kTile, int kThreads, bool kPerSequence>
@@ -119,12 +122,12 @@ HK_DEVICE BlockWork block_work(const Params& p) {
   w.nh = min(kHeads, p.group - hg * kHeads);
   if (kPerSequence && p.split_target > 0) {
     int nparts;
-    const int c = per_sequence_plan<kTile, kThreads>(p, blockIdx.y, w.seq, w.part, nparts);
+    const int tiles = per_sequence_plan<kTile, kThreads>(p, blockIdx.y, w.seq, w.part, nparts);
     w.skip = w.seq < 0;  // an item past the last one
     if (w.skip) return w;
     const int len = context_len(p, w.seq);
-    w.start = w.part * c * kTile;
-    w.end = min(len, w.start + c * kTile);
+    w.start = w.part * tiles / nparts * kTile;
+    w.end = min(len, (w.part + 1) * tiles / nparts * kTile);
     w.partial = nparts > 1;
     if (w.part == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
       p.seq_parts[2 * w.seq] = blockIdx.y;
