@@ -127,7 +127,11 @@ struct GatedHooks {
 // (item b + j G has m-block (b + j G) % n_mblocks), and once the gated phase is over its first wait
 // marks them all, so the later items skip the L2 round trip and the barrier. Every thread makes the
 // same calls and reads the same word (double-buffered: consecutive waits of the prologue have no
-// barrier between them), so every thread's copy of `seen` is the same.
+// barrier between them), so every thread's copy of `seen` is the same. kPollAll = false (float32)
+// waits for the one m-block (thread 0): float32's kernels sit at the register limit on CDNA (256
+// VGPRs at block_m 64, where the wave-wide poll spilled), and its decode variant runs at one token,
+// one m-block per block, where the two waits are the same.
+template <bool kPollAll>
 struct DownHooks {
   const int* ready;
   int items;
@@ -138,6 +142,13 @@ struct DownHooks {
   HK_DEVICE void wait_input() const {}
   HK_DEVICE void wait_item(int mb) const {  // every thread calls it (from the loader)
     if (seen >> mb & 1u) return;
+    if constexpr (!kPollAll) {
+      if (threadIdx.x == 0) spin_until_at_least(ready + mb, items);
+      __syncthreads();
+      seen |= 1u << mb;
+      trace_point(3);
+      return;
+    }
     if (threadIdx.x < kWaveSize) {  // the first wave, converged
       const int lane = threadIdx.x;
       unsigned done;
@@ -204,7 +215,8 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   trace_point(2);
   __syncthreads();  // the down phase reuses the shared memory
   gemm_phase<T, M2, BM, false>(g2, smem_raw,
-                                DownHooks{ready, g1.n_tiles, reinterpret_cast<unsigned*>(smem_raw + C::kDoneAt)});
+                                DownHooks<sizeof(T) == 2>{ready, g1.n_tiles,
+                                                          reinterpret_cast<unsigned*>(smem_raw + C::kDoneAt)});
   trace_point(4);
 
   // Every block's down items are written: a grid barrier, then the combine.
