@@ -144,12 +144,7 @@ struct DownHooks {
     if (seen >> mb & 1u) return;
     if constexpr (!kPollAll) {
       if (threadIdx.x == 0) spin_until_at_least(ready + mb, items);
-      __syncthreads();
-      seen |= 1u << mb;
-      trace_point(3);
-      return;
-    }
-    if (threadIdx.x < kWaveSize) {  // the first wave, converged
+    } else if (threadIdx.x < kWaveSize) {  // the first wave, converged
       const int lane = threadIdx.x;
       unsigned done;
       for (;;) {
@@ -163,8 +158,12 @@ struct DownHooks {
       if (lane == 0) done_s[parity] = done;
     }
     __syncthreads();
-    seen |= done_s[parity];
-    parity ^= 1;
+    if constexpr (kPollAll) {
+      seen |= done_s[parity];
+      parity ^= 1;
+    } else {
+      seen |= 1u << mb;
+    }
     trace_point(3);  // the last release is the one kept
   }
   HK_DEVICE void item_done(int) const {}

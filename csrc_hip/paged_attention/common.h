@@ -70,10 +70,10 @@ HK_DEVICE int64_t partial_row(const Params& p, const BlockWork& w, int h) {
 // each, as v16 plans it, instead of c tiles and a sliver), and
 // sum n_s <= num_seqs + split_target items; item i is partition i - first_s of the sequence s with
 // first_s <= i < first_s + n_s (first_s: the exclusive prefix sum of n). Every thread of the block
-// calls it (barriers). Returns tiles_seq; sets seq, part and nparts (the block holding partition 0 of
-// its sequence, KV group 0, records (first_s, n_s)).
+// calls it (barriers). Sets seq (-1: past the last item), part and nparts (the block holding partition 0
+// of its sequence, KV group 0, records (first_s, n_s)).
 template <int kTile, int kThreads>
-HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, int& nparts) {
+HK_DEVICE void per_sequence_plan(const Params& p, int item, int& seq, int& part, int& nparts) {
   __shared__ int scratch[kThreads / kWaveSize];
   __shared__ int found[3];
   const int per = (p.num_seqs + kThreads - 1) / kThreads;  // sequences per thread, in order
@@ -106,7 +106,6 @@ HK_DEVICE int per_sequence_plan(const Params& p, int item, int& seq, int& part, 
   seq = found[0];
   part = found[1];
   nparts = found[2];
-  return seq < 0 ? 0 : tiles_of(seq);
 }
 
 template <int kHeads, int kTile, int kThreads, bool kPerSequence>
@@ -122,10 +121,10 @@ HK_DEVICE BlockWork block_work(const Params& p) {
   w.nh = min(kHeads, p.group - hg * kHeads);
   if (kPerSequence && p.split_target > 0) {
     int nparts;
-    const int tiles = per_sequence_plan<kTile, kThreads>(p, blockIdx.y, w.seq, w.part, nparts);
+    per_sequence_plan<kTile, kThreads>(p, blockIdx.y, w.seq, w.part, nparts);
     w.skip = w.seq < 0;  // an item past the last one
     if (w.skip) return w;
-    const int len = context_len(p, w.seq);
+    const int len = context_len(p, w.seq), tiles = (len + kTile - 1) / kTile;
     w.start = w.part * tiles / nparts * kTile;
     w.end = min(len, (w.part + 1) * tiles / nparts * kTile);
     w.partial = nparts > 1;
