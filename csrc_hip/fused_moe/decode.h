@@ -25,20 +25,6 @@ namespace fused_moe {
 constexpr int kDecodePairs = 32;
 constexpr int kDecodeMaxBlockM = 64;
 
-// HK_MOE_TRACE (a diagnostic build, NVIDIA only): thread 0 of each block records %globaltimer at the
-// phase boundaries of the last call into hk_moe_trace[block][point]; hk_fused_moe_trace() reads it.
-#if defined(HK_MOE_TRACE) && defined(HK_PLATFORM_CUDA)
-__device__ unsigned long long hk_moe_trace[4096][8];
-HK_DEVICE void trace_point(int i) {
-  if (threadIdx.x != 0 || blockIdx.x >= 4096) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  hk_moe_trace[blockIdx.x][i] = t;
-}
-#else
-HK_DEVICE void trace_point(int) {}
-#endif
-
 // The pairs grouped by (global) expert in blocks of BM rows, as moe_sorting lays them out.
 template <int BM>
 struct Route {

@@ -78,7 +78,9 @@ __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y
                                                                   const int32_t* expert_map, int num_experts,
                                                                   T* out, int64_t num_tokens, int topk, int dim) {
   hk::griddep_wait();  // y comes from the down GEMM
+  hk::fused_moe::trace_point(6);
   hk::fused_moe::combine_rows<T, kCombineThreads>(y, ids, expert_map, num_experts, out, num_tokens, topk, dim);
+  hk::fused_moe::trace_point(7);
 }
 }  // namespace
 

@@ -26,6 +26,22 @@
 namespace hk {
 namespace fused_moe {
 
+// HK_MOE_TRACE (a diagnostic build, NVIDIA only): thread 0 of each block records %globaltimer at the
+// phase boundaries of the last call into hk_moe_trace[block][point]; hk_fused_moe_trace() reads it.
+// Points: the decode kernel's (decode.h), or the grouped chain's: gated GEMM 0-2, down GEMM 3-5 (start,
+// input ready, end), combine 6-7 (input ready, end).
+#if defined(HK_MOE_TRACE) && defined(HK_PLATFORM_CUDA)
+__device__ unsigned long long hk_moe_trace[4096][8];
+HK_DEVICE void trace_point(int i) {
+  if (threadIdx.x != 0 || blockIdx.x >= 4096) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  hk_moe_trace[blockIdx.x][i] = t;
+}
+#else
+HK_DEVICE void trace_point(int) {}
+#endif
+
 enum Activation { kSilu = 0, kGelu = 1 };
 
 struct GemmParams {
@@ -171,10 +187,12 @@ struct Item {
 // reads them too, but the gated GEMM started only after they were complete (it triggers its
 // dependents after its own wait), so the down GEMM plans and streams its first weight stages while
 // the gated GEMM still runs, and waits only before it reads the intermediate.
+template <int kTrace>  // the launch's first trace point
 struct PdlHooks {
   HK_DEVICE void wait_input() const {
     griddep_wait();
     griddep_launch_dependents();
+    trace_point(kTrace + 1);
   }
   HK_DEVICE void wait_item(int) const {}
   HK_DEVICE void item_done(int) const {}
@@ -348,12 +366,13 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       hooks.item_done(b % pl.n_mblocks);
       continue;
     }
-    // Split: publish this part's sums; the last part of the group to arrive adds all parts in part
-    // order (deterministic whichever arrives last) and writes the outputs.
+    // Split: publish this part's sums (the token rows that exist: no other is read); the last part
+    // of the group to arrive adds all parts in part order (deterministic whichever arrives last) and
+    // writes the outputs.
     float* part = p.partials + item * kSplitFloats<M>;
     for (int idx = threadIdx.x; idx < M::kRows * BM; idx += KT) {
       const int r = idx % M::kRows, m = idx / M::kRows;
-      part[m * M::kRows + r] = wave_sum(r, m);
+      if (pairs[m] < p.num_pairs) part[m * M::kRows + r] = wave_sum(r, m);
     }
     __threadfence();
     __syncthreads();
@@ -361,12 +380,24 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     __syncthreads();
     if (!*last_s) continue;
     __threadfence();
+    // The parts' sums, every part's load of an element in flight at once (a loop over the parts
+    // waits on each load in turn: split L2 round trips per element), into red's first k-group (free:
+    // this part's tile is published), then the outputs from there.
     const volatile float* parts = p.partials + (int64_t)b * pl.split * kSplitFloats<M>;
-    emit([&](int r, int m) {
-      float v = 0.f;
-      for (int k = 0; k < pl.split; ++k) v += parts[((int64_t)k * M::kToks + m) * M::kRows + r];
-      return v;
-    });
+    for (int idx = threadIdx.x; idx < M::kRows * BM; idx += KT) {
+      const int r = idx % M::kRows, m = idx / M::kRows;
+      if (pairs[m] >= p.num_pairs) continue;
+      float v[kMaxSplit];
+#pragma unroll
+      for (int k = 0; k < kMaxSplit; ++k)
+        v[k] = k < pl.split ? parts[((int64_t)k * M::kToks + m) * M::kRows + r] : 0.f;
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < kMaxSplit; ++k) sum += v[k];
+      red[r * M::kRedLd + m] = sum;
+    }
+    __syncthreads();
+    emit([&](int r, int m) { return red[r * M::kRedLd + m]; });
     if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
     hooks.item_done(b % pl.n_mblocks);
   }
@@ -376,7 +407,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 template <typename T, typename M, int BM, bool Gated>
 __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  gemm_phase<T, M, BM, Gated>(p, smem_raw, PdlHooks());
+  constexpr int kTrace = Gated ? 0 : 3;
+  trace_point(kTrace);
+  gemm_phase<T, M, BM, Gated>(p, smem_raw, PdlHooks<kTrace>());
+  trace_point(kTrace + 2);
 }
 
 template <auto Kernel>

@@ -1,11 +1,14 @@
-"""Phase timeline of fused_moe's one-launch decode kernel (a diagnostic, NVIDIA only).
+"""Phase timeline of fused_moe's kernels (a diagnostic, NVIDIA only).
 
-``python -m hipkern.bench.moe_trace [--shape T,D,I,E,k] [--block-m 8]`` builds a separate copy of the
-fused_moe module with ``HK_MOE_TRACE`` defined, in which thread 0 of every block records
-``%globaltimer`` at the kernel's phase boundaries (csrc_hip/fused_moe/decode.h), runs the decode
-variant on random bf16 weights, and prints per phase the minimum, median and maximum over the blocks
-in microseconds from the earliest block start. ``%globaltimer`` ticks in about 0.25-1 us steps: read
-the spread, not the last digit. The library's own modules are never built with the define.
+``python -m hipkern.bench.moe_trace [--shape T,D,I,E,k] [--block-m 8] [--variant decode|grouped]``
+builds a separate copy of the fused_moe module with ``HK_MOE_TRACE`` defined, in which thread 0 of
+every block records ``%globaltimer`` at the phase boundaries (csrc_hip/fused_moe/gemm.h, decode.h): of
+the one-launch decode kernel, or of the grouped chain's gated GEMM, down GEMM and combine launches
+(moe_sorting, its own module, is not traced). It runs the variant on random bf16 weights and prints per
+point the minimum, 10th percentile, median, 90th percentile and maximum over the blocks in
+microseconds from the earliest block start, and the call's median time by events. ``%globaltimer``
+ticks in about 0.25-1 us steps: read the spread, not the last digit. The library's own modules are
+never built with the define.
 """
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ import dataclasses
 
 import torch
 
-POINTS = ("start", "routed", "gated items done", "down: last release", "down items done", "grid barrier passed",
-          "end")
-MAX_BLOCKS = 4096  # the trace table's rows (decode.h)
+POINTS = {"decode": ("start", "routed", "gated items done", "down: last release", "down items done",
+                     "grid barrier passed", "end"),
+          "grouped": ("gated: start", "gated: input ready", "gated: end", "down: start", "down: input ready",
+                      "down: end", "combine: input ready", "combine: end")}
+MAX_BLOCKS = 4096  # the trace table's rows (gemm.h)
 
 
 def traced_module(block_m: int):
@@ -31,7 +36,8 @@ def traced_module(block_m: int):
     return jit.load(spec, jit.current_arch(torch.cuda.current_device()))
 
 
-def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int, calls: int = 20) -> None:
+def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int, variant: str = "decode",
+        calls: int = 20) -> None:
     import hipkern
     from hipkern.ops import _common
 
@@ -45,19 +51,25 @@ def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int
         ids = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1).indices.int().contiguous()
         w = torch.rand(tokens, topk, device="cuda", generator=g) + 0.1
         w = w / w.sum(1, keepdim=True)
-        for _ in range(calls):
-            hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant="decode")
+        out = torch.empty_like(x)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+        for start, end in events:
+            start.record()
+            hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant=variant, out=out)
+            end.record()
         torch.cuda.synchronize()
+        call_us = sorted(s.elapsed_time(e) * 1e3 for s, e in events)[calls // 2]
     buf = (ctypes.c_uint64 * (MAX_BLOCKS * 8))()
     mod.check(mod.hk_fused_moe_trace(ctypes.addressof(buf), MAX_BLOCKS), "fused_moe trace")
     t = torch.tensor(list(buf), dtype=torch.float64).view(MAX_BLOCKS, 8)
-    t = t[t[:, 0] > 0]
-    t = (t - t[:, 0].min()) / 1000.0
-    print(f"decode kernel, T={tokens} D={dim} I={inter} E={experts} k={topk} block_m={block_m}: {t.shape[0]} blocks "
-          "(us from the first block's start; min / median / max over blocks)")
-    for i, name in enumerate(POINTS):
-        c = t[:, i]
-        print(f"  {name:22s} {c.min().item():8.2f} {c.median().item():8.2f} {c.max().item():8.2f}")
+    origin = t[:, 0][t[:, 0] > 0].min()
+    print(f"{variant}, T={tokens} D={dim} I={inter} E={experts} k={topk} block_m={block_m}: call {call_us:.1f} us by "
+          "events (points: us from the first block's start; min / p10 / median / p90 / max over the blocks)")
+    q = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
+    for i, name in enumerate(POINTS[variant]):
+        c = t[:, i][t[:, i] > 0]  # the blocks of the launch that records this point
+        v = torch.quantile((c - origin) / 1000.0, q).tolist()
+        print(f"  {name:22s} " + " ".join(f"{x:8.2f}" for x in v) + f"   ({c.numel()} blocks)")
 
 
 def main(argv=None) -> None:
@@ -65,10 +77,11 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", action="append", help="T,D,I,E,k (repeatable); default: 1 and 4 tokens of "
                     "7168/256 E256 top-8, 1 token of 4096/14336 E8 top-2")
     ap.add_argument("--block-m", type=int, default=8)
+    ap.add_argument("--variant", choices=sorted(POINTS), default="decode")
     a = ap.parse_args(argv)
     shapes = a.shape or ["1,7168,256,256,8", "4,7168,256,256,8", "1,4096,14336,8,2"]
     for s in shapes:
-        run(*map(int, s.split(",")), block_m=a.block_m)
+        run(*map(int, s.split(",")), block_m=a.block_m, variant=a.variant)
 
 
 if __name__ == "__main__":
