@@ -70,22 +70,27 @@ HK_DEVICE int64_t partial_row(const Params& p, const BlockWork& w, int h) {
 // each, as v16 plans it, instead of c tiles and a sliver), and
 // sum n_s <= num_seqs + split_target items; item i is partition i - first_s of the sequence s with
 // first_s <= i < first_s + n_s (first_s: the exclusive prefix sum of n). Every thread of the block
-// calls it (barriers). Sets seq (-1: past the last item), part and nparts (the block holding partition 0
-// of its sequence, KV group 0, records (first_s, n_s)).
+// calls it (barriers). Sets seq (-1: past the last item), part and nparts (the block holding
+// partition 0 of its sequence, KV group 0, records (first_s, n_s)). The tile sum and c are 64-bit:
+// 4096 sequences of up to 2^24 tiles each exceed 2^31.
 template <int kTile, int kThreads>
 HK_DEVICE void per_sequence_plan(const Params& p, int item, int& seq, int& part, int& nparts) {
   __shared__ int scratch[kThreads / kWaveSize];
+  __shared__ int64_t wide[kThreads / kWaveSize];
   __shared__ int found[3];
   const int per = (p.num_seqs + kThreads - 1) / kThreads;  // sequences per thread, in order
   const int s0 = threadIdx.x * per, s1 = min(p.num_seqs, s0 + per);
   auto tiles_of = [&](int s) { return (context_len(p, s) + kTile - 1) / kTile; };
-  int tiles = 0;
+  int64_t tiles = 0, all_tiles;
   for (int s = s0; s < s1; ++s) tiles += tiles_of(s);
-  int total;
-  block_exclusive_sum<kThreads>(tiles, scratch, total);
-  const int c = max((p.partition_size + kTile - 1) / kTile, (total + p.split_target - 1) / p.split_target);
-  auto parts_of = [&](int s) { return max(1, (2 * tiles_of(s) + c) / (2 * c)); };
-  int n = 0;
+  block_exclusive_sum<kThreads>(tiles, wide, all_tiles);
+  const int64_t fair = (all_tiles + p.split_target - 1) / p.split_target;
+  const int64_t least = (p.partition_size + kTile - 1) / kTile, c = fair > least ? fair : least;
+  auto parts_of = [&](int s) {
+    const int64_t n_s = (2 * (int64_t)tiles_of(s) + c) / (2 * c);
+    return n_s > 1 ? (int)n_s : 1;  // <= tiles_s
+  };
+  int n = 0, total;
   for (int s = s0; s < s1; ++s) n += parts_of(s);
   int first = block_exclusive_sum<kThreads>(n, scratch, total);
   if (threadIdx.x == 0) found[0] = -1;
@@ -125,8 +130,8 @@ HK_DEVICE BlockWork block_work(const Params& p) {
     w.skip = w.seq < 0;  // an item past the last one
     if (w.skip) return w;
     const int len = context_len(p, w.seq), tiles = (len + kTile - 1) / kTile;
-    w.start = w.part * tiles / nparts * kTile;
-    w.end = min(len, (w.part + 1) * tiles / nparts * kTile);
+    w.start = (int)((int64_t)w.part * tiles / nparts) * kTile;  // part x tiles may exceed 2^31
+    w.end = min(len, (int)((int64_t)(w.part + 1) * tiles / nparts) * kTile);
     w.partial = nparts > 1;
     if (w.part == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
       p.seq_parts[2 * w.seq] = blockIdx.y;
