@@ -4,7 +4,8 @@
 // both operands read by the tensor cores from shared memory, K-major core matrices, no swizzle: the
 // layout and descriptors a wgmma policy for math.h would use). 132 blocks of 8 warps (one per SM), a
 // barrier per stage in both; wgmma with 0 or 1 commit groups left in flight across stages. Prints ns
-// per stage and TFLOP/s, after checking one stage of each against a float64 host product.
+// per stage and TFLOP/s, after checking one stage of each against a float64 host product; then both
+// again with every thread keeping its own cp.async copies in flight, as the GEMM's loader does.
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc_hip/include -DHK_WAVE_SIZE=32 \
 //        -o /tmp/wgmma_stage csrc_hip/fused_moe/experiments/wgmma_stage.cu && /tmp/wgmma_stage
 #include <cstdint>
@@ -100,8 +101,26 @@ __device__ inline uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 }
 
 // The production step (math.h) over the same stage, again and again.
+// With `stream` set, every thread also keeps its own 16-byte cp.async copies in flight across stages
+// (8 per stage, 2 stages deep, into a scratch area), as the GEMM's loader does.
+// ring: the copies land in the weight buffer of the stage two ahead (3 buffers), which wgmma reads
+// two stages later, fenced for the async proxy: the GEMM's own pattern.
+__device__ inline void copies(const uint4* stream, unsigned char* scratch, int it, bool ring = false) {
+  if (stream == nullptr) return;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const size_t i = ((size_t)it * 2048 + blockIdx.x * 2048 * 64 + j * 256 + threadIdx.x) % (size_t(1) << 26);
+    const int buf = ring ? (it + 2) % 3 : it % 3;
+    hk::async_copy16(scratch + (buf * 8 + j) * 4096 + threadIdx.x * 16, stream + i);
+  }
+  hk::async_copy_commit();
+  hk::async_copy_wait_pending<2>();
+  if (ring) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 template <int N>
-__global__ void __launch_bounds__(256, 1) bench_mma(const T* gw, const T* gx, float* out, int iters) {
+__global__ void __launch_bounds__(256, 1) bench_mma(const T* gw, const T* gx, float* out, int iters,
+                                                    const uint4* stream) {
   typedef hk::fused_moe::MmaMath<T, 8, 1, N, K, 3> M;
   extern __shared__ __align__(128) unsigned char sm[];
   T* w = (T*)sm;
@@ -113,9 +132,11 @@ __global__ void __launch_bounds__(256, 1) bench_mma(const T* gw, const T* gx, fl
   __syncthreads();
   typename M::Acc acc;
   M::zero(acc);
+  unsigned char* scratch = (unsigned char*)(pairs + N) + 128;
   for (int it = 0; it < iters; ++it) {
-    M::step(acc, w, x, pairs, N);
+    copies(stream, scratch, it);
     __syncthreads();
+    M::step(acc, w, x, pairs, N);
   }
   typedef hk::MmaTile<T> MT;
   if (blockIdx.x == 0)
@@ -123,8 +144,9 @@ __global__ void __launch_bounds__(256, 1) bench_mma(const T* gw, const T* gx, fl
       for (int i = 0; i < 4; ++i) out[(16 * M::wr() + MT::c_row(i)) * N + 8 * n + MT::c_col(i)] = acc.c[n][i];
 }
 
-template <int N, int kInFlight>
-__global__ void __launch_bounds__(256, 1) bench_wg(const T* gw, const T* gx, float* out, int iters) {
+template <int N, int kInFlight, bool kRing = false>
+__global__ void __launch_bounds__(256, 1) bench_wg(const T* gw, const T* gx, float* out, int iters,
+                                                   const uint4* stream) {
   extern __shared__ __align__(128) unsigned char sm[];
   T* w = (T*)sm;
   T* x = w + R * K;
@@ -135,8 +157,12 @@ __global__ void __launch_bounds__(256, 1) bench_wg(const T* gw, const T* gx, flo
   const int g = threadIdx.x / 128;
   float d[N / 2];
   for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
-  const uint32_t wa = hk::smem_addr(w) + g * 8 * (K / 8) * 128, xa = hk::smem_addr(x);
+  const uint32_t wa0 = hk::smem_addr(w) + g * 8 * (K / 8) * 128, xa = hk::smem_addr(x);
+  unsigned char* scratch = (unsigned char*)(x + N * K);
   for (int it = 0; it < iters; ++it) {
+    copies(stream, scratch, it, kRing);
+    __syncthreads();
+    const uint32_t wa = kRing ? hk::smem_addr(scratch) + it % 3 * 32768 + g * 8 * (K / 8) * 128 : wa0;
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int s = 0; s < K / 16; ++s)  // k 16 s .. 16 s + 15: core-matrix columns 2 s and 2 s + 1
@@ -205,13 +231,14 @@ void run() {
   CK(cudaMalloc(&o2, R * N * 4));
   CK(cudaMemcpy(dw, hw.data(), R * K * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dx, hx.data(), N * K * 2, cudaMemcpyHostToDevice));
-  const int sm1 = (R + N) * (K + 8) * 2 + N * 4, sm2 = (R + N) * K * 2;
+  constexpr int kScratch = 3 * 8 * 4096 + 256;  // copies()'s destinations
+  const int sm1 = (R + N) * (K + 8) * 2 + N * 4 + kScratch, sm2 = (R + N) * K * 2 + kScratch;
   CK(cudaFuncSetAttribute(bench_mma<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, sm1));
   CK(cudaFuncSetAttribute(bench_wg<N, 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, sm2));
   CK(cudaFuncSetAttribute(bench_wg<N, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, sm2));
   // correctness: one stage
-  bench_mma<N><<<1, 256, sm1>>>(dw, dx, o1, 1);
-  bench_wg<N, 0><<<1, 256, sm2>>>(dw, dx, o2, 1);
+  bench_mma<N><<<1, 256, sm1>>>(dw, dx, o1, 1, nullptr);
+  bench_wg<N, 0><<<1, 256, sm2>>>(dw, dx, o2, 1, nullptr);
   CK(cudaDeviceSynchronize());
   std::vector<float> r1(R * N), r2(R * N);
   CK(cudaMemcpy(r1.data(), o1, R * N * 4, cudaMemcpyDeviceToHost));
@@ -222,9 +249,19 @@ void run() {
     e2 = fmax(e2, fabs(r2[i] - ref[i]));
   }
   const int iters = 20000, G = 132;
-  float t1 = timeit([&] { bench_mma<N><<<G, 256, sm1>>>(dw, dx, o1, iters); });
-  float t2 = timeit([&] { bench_wg<N, 0><<<G, 256, sm2>>>(dw, dx, o2, iters); });
-  float t3 = timeit([&] { bench_wg<N, 1><<<G, 256, sm2>>>(dw, dx, o2, iters); });
+  float t1 = timeit([&] { bench_mma<N><<<G, 256, sm1>>>(dw, dx, o1, iters, nullptr); });
+  float t2 = timeit([&] { bench_wg<N, 0><<<G, 256, sm2>>>(dw, dx, o2, iters, nullptr); });
+  float t3 = timeit([&] { bench_wg<N, 1><<<G, 256, sm2>>>(dw, dx, o2, iters, nullptr); });
+  // the same with each thread's copies in flight (32 KB per stage and block from a 1 GB stream)
+  static uint4* stream = nullptr;
+  if (!stream) CK(cudaMalloc(&stream, sizeof(uint4) << 26));
+  const int citers = 2000;
+  float c1 = timeit([&] { bench_mma<N><<<G, 256, sm1>>>(dw, dx, o1, citers, stream); });
+  float c2 = timeit([&] { bench_wg<N, 0><<<G, 256, sm2>>>(dw, dx, o2, citers, stream); });
+  CK(cudaFuncSetAttribute(bench_wg<N, 0, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, sm2));
+  float c3 = timeit([&] { bench_wg<N, 0, true><<<G, 256, sm2>>>(dw, dx, o2, citers, stream); });
+  printf("N=%3d tokens, with copies in flight: ns per stage: mma.sync %7.1f  wgmma (wait 0) %7.1f  wgmma reading "
+         "the copied buffers %7.1f\n", N, c1 * 1e6 / citers, c2 * 1e6 / citers, c3 * 1e6 / citers);
   const double flop = 2.0 * R * N * K * iters * G;
   printf("N=%3d tokens: max err vs host mma.sync %.2e wgmma %.2e | ns per stage: mma.sync %7.1f  wgmma (wait 0) %7.1f  "
          "(wait 1) %7.1f | TFLOP/s %6.1f %6.1f %6.1f\n",
