@@ -128,7 +128,8 @@ def test_tune_paged_attention_on_gpu(tmp_path, monkeypatch):
     tuning_db.reset()
     for shape, row in zip(todo, rows_of(out)):
         bench = ADAPTER.prepare(shape, ADAPTER.device_info(0), 0)
-        tuned = (row["variant"], {"partition_size": int(row["partition_size"])} if row["partition_size"] else {})
+        params = ("partition_size", "heads_per_block", "blocks_per_slot")  # every tuned knob the row may set
+        tuned = (row["variant"], {k: int(row[k]) for k in params if row.get(k)})
         assert choose_variant(bench.q, bench.k, bench.bt, "NHD") == tuned
         o = hipkern.paged_attention_decode(bench.q, bench.k, bench.v, bench.bt, bench.cl)
         assert checkAllclose(o[bench.idx], bench.ref, **TOL[shape["dtype"]]) == 0 and o.dtype == DTYPES[shape["dtype"]]
