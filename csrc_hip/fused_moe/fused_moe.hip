@@ -8,6 +8,8 @@
 // Variant "decode" (decode.h): the same work, routing and combine included, in one launch.
 // gemm.h has the work plan and pipeline, math.h the arithmetic: matrix cores for fp16/bf16, FMAs
 // for fp32. One module per (dtype, block_m).
+#include <type_traits>
+
 #include "decode.h"
 
 #ifndef HK_DTYPE
@@ -29,6 +31,7 @@ static_assert(BM == 8 || BM == 16 || BM == 32 || BM == 64 || BM == 128, "block_m
 // k-stages that fit, fp32 on one wave.
 using hk::fused_moe::MmaMath;
 using hk::fused_moe::SimtMath;
+using hk::fused_moe::WgmmaMath;
 constexpr bool kNv = hk::kAsyncCopy;
 template <typename U, int B> struct Tiles;
 template <typename U> struct Tiles<U, 8> {
@@ -40,7 +43,13 @@ template <typename U> struct Tiles<U, 16> {
   typedef MmaMath<U, 4, 1, 16, 128, 4> Down;
 };
 template <typename U> struct Tiles<U, 32> { typedef MmaMath<U, 4, 1, 32, 128, 3> Gate, Down; };
-template <typename U> struct Tiles<U, 64> { typedef MmaMath<U, kNv ? 8 : 4, 1, 64, 128, 3> Gate, Down; };
+// Where the build has wgmma (sm_90a), block_m 64's 128 rows are two warpgroups on it: 2.3-2.9x less
+// compute per stage than mma.sync from 32 tokens up (experiments/wgmma_stage.cu), and no operand
+// fragments through the load/store pipe that the copies use.
+template <typename U> struct Tiles<U, 64> {
+  typedef std::conditional_t<hk::kWgmma, WgmmaMath<U, 2, 64, 128, 3>, MmaMath<U, kNv ? 8 : 4, 1, 64, 128, 3>>
+      Gate, Down;
+};
 template <typename U> struct Tiles<U, 128> { typedef MmaMath<U, kNv ? 8 : 4, 1, 128, 64, 4> Gate, Down; };
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {

@@ -279,22 +279,22 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     if (tok && c0 == 0) xrows([&](int j, int m) { pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs; });
     if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
     const int k0 = kc * M::kBK;
-    T* ws = w_s + slot * M::kRows * M::kLd + c0 * C::kVec;  // + row * kLd
-    T* xs = x_s + slot * M::kToks * M::kLd + c0 * C::kVec;
+    T* ws = w_s + slot * M::kRows * M::kLd;  // + M::at(row, c0)
+    T* xs = x_s + slot * M::kToks * M::kLd;
     if (whole && k0 + M::kBK <= p.K) {
-      if (wgt) wrows([&](int j, int r) { async_copy16(ws + r * M::kLd, wsrc[j] + k0); });
+      if (wgt) wrows([&](int j, int r) { async_copy16(ws + M::at(r, c0), wsrc[j] + k0); });
       if (tok) xrows([&](int j, int m) {
-        if (xsrc[j]) async_copy16(xs + m * M::kLd, xsrc[j] + k0);
+        if (xsrc[j]) async_copy16(xs + M::at(m, c0), xsrc[j] + k0);
       });
     } else {  // rows past N or an invalid expert (zeros: they contribute 0), columns past K (zeros)
       const bool k_ok = k0 + c0 * C::kVec < p.K;
       if (wgt) wrows([&](int j, int r) {
         const bool ok = wsrc[j] != nullptr && k_ok;
-        async_copy16_or_zero(ws + r * M::kLd, ok ? wsrc[j] + k0 : w, ok);
+        async_copy16_or_zero(ws + M::at(r, c0), ok ? wsrc[j] + k0 : w, ok);
       });
       if (tok) xrows([&](int j, int m) {
         if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
-          async_copy16_or_zero(xs + m * M::kLd, k_ok ? xsrc[j] + k0 : x, k_ok);
+          async_copy16_or_zero(xs + M::at(m, c0), k_ok ? xsrc[j] + k0 : x, k_ok);
       });
     }
   };
@@ -324,6 +324,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       load(g, true, true);
     } else {
       async_copy_wait_pending<S - 2>();
+      if constexpr (M::kAsyncReads) fence_async_shared();  // the math reads the stage through the async proxy
     }
     __syncthreads();  // stage g is in shared memory; every wave is done with stage g - 1's buffer
     if constexpr (S > 1) {
@@ -406,7 +407,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 
 template <typename T, typename M, int BM, bool Gated>
 __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // wgmma atoms
   constexpr int kTrace = Gated ? 0 : 3;
   trace_point(kTrace);
   gemm_phase<T, M, BM, Gated>(p, smem_raw, PdlHooks<kTrace>());

@@ -1,6 +1,7 @@
 // The tiling and arithmetic of the expert GEMMs (gemm.h), as two policies over one interface:
 //   MmaMath<T, WR, WK, BM, BK, Stages>  fp16/bf16 on matrix cores (MmaTile: mma.sync on NVIDIA, MFMA
 //                                       on CDNA)
+//   WgmmaMath<T, WG, BM, BK, Stages>    fp16/bf16 on wgmma (sm_90a), WG warpgroups of 64 rows
 //   SimtMath<RPL, WK, BM, BK, Stages>   fp32 on CUDA cores / VALU (real fp32 FMAs, no TF32)
 //
 // An item is kRows weight rows x kToks token rows; a pipeline stage (kStages deep) holds kBK of the
@@ -14,9 +15,14 @@
 //                                          they are never stored.
 //   store(acc, red)                        this wave's partial sums into red[wk][row][tok]
 //                                          (row stride kRedLd), summed over wk by the epilogue
+//   at(row, chunk)                         where 16-byte chunk `chunk` of a stage row lies (elements
+//                                          from the stage's start)
+//   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
+//                                          the copies are fenced for it before the stage's barrier
 #pragma once
 
 #include "hipkern/mma.h"
+#include "hipkern/wgmma.h"
 
 namespace hk {
 namespace fused_moe {
@@ -33,6 +39,8 @@ struct MmaMath {
   static constexpr int kSlice = kBK / WK, kNT = kToks / MT::N;
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
+  static constexpr bool kAsyncReads = false;
+  static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
 
   static HK_DEVICE int wr() { return (threadIdx.x / kWaveSize) % WR; }
   static HK_DEVICE int wk() { return (threadIdx.x / kWaveSize) / WR; }
@@ -83,6 +91,44 @@ struct MmaMath {
   }
 };
 
+// fp16/bf16 on wgmma (hipkern/wgmma.h; only where kWgmma): warpgroup g (4 warps) owns weight rows
+// 64g .. 64g + 63 against all token rows over the whole k-stage, both operands read by the tensor
+// cores from shared memory, so no fragment goes through registers. Stages hold 128-byte-swizzled
+// K-major atoms (at(): 8 rows x 128 bytes, chunk c of row r at c ^ (r % 8), a row group's atoms
+// K-adjacent): the copies' coalesced order (a row's consecutive chunks per lanes) then writes whole
+// 128-byte rows of shared memory, which cp.async needs to fetch each sector once (a core-matrix
+// layout without swizzle doubled the L2 sectors and ran 1.6x slower). The accumulators have
+// mma.sync's C layout per warp, so Acc, zero() and store() are MmaMath's (warp w: rows 16w ..).
+template <typename T, int WG, int BM, int BK, int Stages>
+struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
+  typedef MmaMath<T, 4 * WG, 1, BM, BK, Stages> Base;
+  using typename Base::Acc;
+  static constexpr int kVec = 16 / (int)sizeof(T), kAtomK = 128 / (int)sizeof(T), kAtoms = BK / kAtomK;
+  static_assert(BK % kAtomK == 0, "whole 128-byte atoms per row");
+  static constexpr int kLd = BK;  // a stage of R rows spans R * kLd elements (1024-byte atoms)
+  static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
+  static HK_DEVICE int at(int r, int c) {
+    return ((r / 8 * kAtoms + c / 8) * 8 + r % 8) * kAtomK + (c % 8 ^ r % 8) * kVec;
+  }
+
+  // All kToks token rows, padding included (zeros or stale rows whose columns are never stored): one
+  // instruction shape, so that the accumulators are never touched between the fence and the wait (a
+  // shape chosen at run time made ptxas serialise every wgmma).
+  static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int*, int) {
+    constexpr int N = Base::kToks, kSbo = kAtoms * 1024;
+    const T* w = w_s + 64 * (Base::wr() / 4) * BK;  // at(64 g, 0)
+    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc.c[0][0]);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < BK / 16; ++s) {  // k 16 s .. 16 s + 15: atom 16 s / kAtomK, 32 bytes into its rows
+      const int k = s * 16 / kAtomK * 8 * kAtomK + s * 16 % kAtomK;
+      Wgmma<T, N>::mma(d, wgmma_desc_sw128(w + k, kSbo), wgmma_desc_sw128(x_s + k, kSbo));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // the stage's buffers are free again at the loop's next barrier
+  }
+};
+
 // fp32: WK waves over the k-slices; lane l owns weight rows l + j * wave size (j < RPL) against every
 // token row: per 4 k, RPL 16-byte weight loads (conflict-free: kLd = 4 mod 32 words) and one
 // broadcast load per token feed 4 RPL FMAs per token.
@@ -93,6 +139,8 @@ struct SimtMath {
   static constexpr int kSlice = kBK / WK;
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
+  static constexpr bool kAsyncReads = false;
+  static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
 
   static HK_DEVICE void zero(Acc& a) {
 #pragma unroll

@@ -42,6 +42,8 @@ class Toolchain:
         inc = [f"-I{p}" for p in include_dirs]
         if self.platform == "cuda":
             num = arch[3:]
+            if num in ("90", "90a"):  # every compute-capability-9.0 GPU runs sm_90a code: wgmma (hipkern/wgmma.h)
+                num, d = "90a", d + ["-DHK_WGMMA=1"]
             gencode = f"-gencode=arch=compute_{num},code=sm_{num}"
             return [self.compiler, "-x", "cu", "-std=c++17", "-O3", gencode, "-shared",
                     "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-v", "-lineinfo",

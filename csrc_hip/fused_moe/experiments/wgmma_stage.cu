@@ -1,7 +1,7 @@
 // Experiment (not part of any module): the compute-only cost of one block_m-64 fused-MoE pipeline
 // stage, 128 weight rows x N tokens x k 128 in bf16 with both operands already in shared memory, as
 // the production MmaMath::step does it (mma.sync, ldmatrix fragments per warp) against wgmma (sm_90a;
-// both operands read by the tensor cores from shared memory, K-major core matrices, no swizzle: the
+// both operands read by the tensor cores from shared memory, K-major, 128-byte swizzle: the
 // layout and descriptors a wgmma policy for math.h would use). 132 blocks of 8 warps (one per SM), a
 // barrier per stage in both; wgmma with 0 or 1 commit groups left in flight across stages. Prints ns
 // per stage and TFLOP/s, after checking one stage of each against a float64 host product; then both
@@ -91,13 +91,18 @@ template <> struct Wg<128> {
   }
 };
 
-// Element offset of (row r, k) in the K-major core-matrix layout: core matrices of 8 rows x 16 bytes
-// stored as 128 contiguous bytes, K-adjacent ones 128 B apart (the descriptor's LBO), 8-row groups
-// K * 16 B apart (its SBO).
-__device__ __host__ inline int tiled(int r, int k) { return ((r / 8) * (K / 8) + k / 8) * 64 + (r % 8) * 8 + k % 8; }
-// A wgmma shared-memory matrix descriptor: start address, LBO and SBO (each in 16-byte units), no swizzle.
-__device__ inline uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+// Element offset of (row r, k) in the K-major 128-byte-swizzled layout: atoms of 8 rows x 64
+// elements (128 bytes a row, 1024 B), 16-byte chunk c of a row stored at chunk c ^ (row % 8); atoms
+// of a row group K-adjacent (1024 B apart), row groups 2048 B apart (the descriptor's SBO). Needs
+// 1024-byte-aligned atoms (the hardware swizzles on address bits).
+__device__ __host__ inline int tiled(int r, int k) {
+  const int c = k / 8, a = c / 8;
+  return (((r / 8) * (K / 64) + a) * 8 + r % 8) * 64 + ((c % 8) ^ (r % 8)) * 8 + k % 8;
+}
+// A wgmma shared-memory matrix descriptor: start address and SBO in 16-byte units, LBO unused (1),
+// 128-byte swizzle.
+__device__ inline uint64_t desc(uint32_t addr, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
 // The production step (math.h) over the same stage, again and again.
@@ -122,7 +127,7 @@ template <int N>
 __global__ void __launch_bounds__(256, 1) bench_mma(const T* gw, const T* gx, float* out, int iters,
                                                     const uint4* stream) {
   typedef hk::fused_moe::MmaMath<T, 8, 1, N, K, 3> M;
-  extern __shared__ __align__(128) unsigned char sm[];
+  extern __shared__ __align__(1024) unsigned char sm[];
   T* w = (T*)sm;
   T* x = w + R * M::kLd;
   int* pairs = (int*)(x + N * M::kLd);
@@ -147,7 +152,7 @@ __global__ void __launch_bounds__(256, 1) bench_mma(const T* gw, const T* gx, fl
 template <int N, int kInFlight, bool kRing = false>
 __global__ void __launch_bounds__(256, 1) bench_wg(const T* gw, const T* gx, float* out, int iters,
                                                    const uint4* stream) {
-  extern __shared__ __align__(128) unsigned char sm[];
+  extern __shared__ __align__(1024) unsigned char sm[];
   T* w = (T*)sm;
   T* x = w + R * K;
   for (int i = threadIdx.x; i < R * K; i += 256) w[tiled(i / K, i % K)] = gw[i];
@@ -157,16 +162,17 @@ __global__ void __launch_bounds__(256, 1) bench_wg(const T* gw, const T* gx, flo
   const int g = threadIdx.x / 128;
   float d[N / 2];
   for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
-  const uint32_t wa0 = hk::smem_addr(w) + g * 8 * (K / 8) * 128, xa = hk::smem_addr(x);
+  const uint32_t wa0 = hk::smem_addr(w) + g * 64 * K * 2, xa = hk::smem_addr(x);  // 64 rows further
   unsigned char* scratch = (unsigned char*)(x + N * K);
   for (int it = 0; it < iters; ++it) {
     copies(stream, scratch, it, kRing);
     __syncthreads();
-    const uint32_t wa = kRing ? hk::smem_addr(scratch) + it % 3 * 32768 + g * 8 * (K / 8) * 128 : wa0;
+    const uint32_t wa = kRing ? hk::smem_addr(scratch) + it % 3 * 32768 + g * 64 * K * 2 : wa0;
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int s = 0; s < K / 16; ++s)  // k 16 s .. 16 s + 15: core-matrix columns 2 s and 2 s + 1
-      Wg<N>::run(d, desc(wa + 2 * s * 128, 128, (K / 8) * 128), desc(xa + 2 * s * 128, 128, (K / 8) * 128), 1);
+    for (int s = 0; s < K / 16; ++s)  // k 16 s .. 16 s + 15: atom s / 4, bytes 32 (s % 4) of its rows
+      Wg<N>::run(d, desc(wa + s / 4 * 1024 + s % 4 * 32, K / 64 * 1024),
+                 desc(xa + s / 4 * 1024 + s % 4 * 32, K / 64 * 1024), 1);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kInFlight) : "memory");
     __syncthreads();

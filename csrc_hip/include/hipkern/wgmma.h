@@ -1,0 +1,193 @@
+// Warpgroup matrix multiply-accumulate (wgmma, sm_90a) with both operands in shared memory, for
+// fp16/bf16 inputs and fp32 accumulators:
+//
+//   kWgmma                      whether this build has it (the JIT builds sm_90 as sm_90a and says so
+//                               with -DHK_WGMMA=1); elsewhere false: the helpers are no-ops and
+//                               Wgmma has no specialisations, so only code that is never
+//                               instantiated there may name them
+//   Wgmma<T, N>::mma(d, a, b)   d[N / 2] += A[64 x 16] B[16 x N] for the calling warpgroup (4 warps,
+//                               128 threads); a, b: shared-memory matrix descriptors
+//   wgmma_desc_sw128(p, sbo)    the descriptor of a K-major operand in 128-byte-swizzled atoms: 8 rows
+//                               x 128 bytes (1024 B, 1024-byte aligned), the 16-byte chunk c of row r
+//                               stored at chunk c ^ (r % 8); p: the first row's k offset inside its
+//                               atom (+32 B per k16 step), sbo: bytes between 8-row groups
+//   wgmma_fence() / wgmma_commit() / wgmma_wait<N>()   around a batch of mma (the accumulators are
+//                               not touched between the fence and the wait)
+//   fence_async_shared()        makes this thread's shared-memory writes (stores, cp.async)
+//                               visible to wgmma's reads (the async proxy); then a barrier
+//
+// d's layout is mma.sync's C layout per warp (mma.h, NVIDIA): warp w of the warpgroup holds rows 16w
+// + lane / 4 (+ 8) and, per 8-column tile j, elements d[4j .. 4j + 3] at columns 8j + 2 (lane % 4) (+ 1).
+#pragma once
+
+#include "hipkern/dtype.h"
+#include "hipkern/platform.h"
+
+namespace hk {
+
+#if defined(HK_WGMMA) && defined(HK_PLATFORM_CUDA)
+constexpr bool kWgmma = true;
+#if defined(__CUDA_ARCH__)
+#define HK_WG_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define HK_WG_ASM(...) (void)0
+#endif
+#else
+constexpr bool kWgmma = false;
+#define HK_WG_ASM(...) (void)0
+#endif
+
+// The helpers exist on every target (so that code naming them compiles everywhere); they do
+// something only where kWgmma.
+HK_DEVICE uint64_t wgmma_desc_sw128(const void* p, uint32_t sbo) {
+#if defined(HK_WGMMA) && defined(HK_PLATFORM_CUDA)
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo >> 4) << 32) | ((uint64_t)1 << 62);
+#else
+  (void)p, (void)sbo;
+  return 0;
+#endif
+}
+HK_DEVICE void wgmma_fence() { HK_WG_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+HK_DEVICE void wgmma_commit() { HK_WG_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+HK_DEVICE void wgmma_wait() { HK_WG_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+HK_DEVICE void fence_async_shared() { HK_WG_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <typename T, int N> struct Wgmma;  // specialised below where kWgmma
+
+#if defined(HK_WGMMA) && defined(HK_PLATFORM_CUDA)
+template <> struct Wgmma<bf16_t, 8> {
+  static HK_DEVICE void mma(float (&d)[4], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+              "%0,%1,%2,%3"
+              "}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<bf16_t, 16> {
+  static HK_DEVICE void mma(float (&d)[8], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7"
+              "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<bf16_t, 32> {
+  static HK_DEVICE void mma(float (&d)[16], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+              "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<bf16_t, 64> {
+  static HK_DEVICE void mma(float (&d)[32], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+              "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<bf16_t, 128> {
+  static HK_DEVICE void mma(float (&d)[64], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+              "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+              "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+              "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<half_t, 8> {
+  static HK_DEVICE void mma(float (&d)[4], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
+              "%0,%1,%2,%3"
+              "}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<half_t, 16> {
+  static HK_DEVICE void mma(float (&d)[8], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7"
+              "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<half_t, 32> {
+  static HK_DEVICE void mma(float (&d)[16], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+              "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<half_t, 64> {
+  static HK_DEVICE void mma(float (&d)[32], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+              "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+template <> struct Wgmma<half_t, 128> {
+  static HK_DEVICE void mma(float (&d)[64], uint64_t a, uint64_t b) {
+    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+              "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+              "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+              "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+              "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+              : "l"(a), "l"(b), "r"(1));
+  }
+};
+#endif  // HK_WGMMA
+#undef HK_WG_ASM
+
+}  // namespace hk
