@@ -1,12 +1,12 @@
-// The tiling and arithmetic of the expert GEMMs (gemm.h), as two policies over one interface:
+// The tiling and arithmetic of the expert GEMMs (gemm.h), as policies over one interface:
 //   MmaMath<T, WR, WK, BM, BK, Stages>  fp16/bf16 on matrix cores (MmaTile: mma.sync on NVIDIA, MFMA
 //                                       on CDNA)
 //   WgmmaMath<T, WG, BM, BK, Stages>    fp16/bf16 on wgmma (sm_90a), WG warpgroups of 64 rows
 //   SimtMath<RPL, WK, BM, BK, Stages>   fp32 on CUDA cores / VALU (real fp32 FMAs, no TF32)
 //
 // An item is kRows weight rows x kToks token rows; a pipeline stage (kStages deep) holds kBK of the
-// reduction dimension of both in shared memory (row stride kLd elements). The kWaves waves split
-// the rows and/or (kWK groups) the k-slices of a stage:
+// reduction dimension of both in shared memory (R rows span R * kLd elements, at() places each
+// 16-byte chunk). The kWaves waves split the rows and/or (kWK groups) the k-slices of a stage:
 //   zero(acc)                              acc = 0
 //   step(acc, w_s, x_s, pairs, num_pairs)  acc[row][tok] += W[row][k] X[tok][k] over this wave's rows
 //                                          and k-slice; token tiles whose first row is padding
