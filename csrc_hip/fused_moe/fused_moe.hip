@@ -42,15 +42,14 @@ template <typename U> struct Tiles<U, 16> {
   typedef MmaMath<U, 2, 2, 16, 256, 4> Gate;
   typedef MmaMath<U, 4, 1, 16, 128, 4> Down;
 };
-template <typename U> struct Tiles<U, 32> { typedef MmaMath<U, 4, 1, 32, 128, 3> Gate, Down; };
-// Where the build has wgmma (sm_90a), block_m 64's 128 rows are two warpgroups on it: 2.3-2.9x less
-// compute per stage than mma.sync from 32 tokens up (experiments/wgmma_stage.cu), and no operand
-// fragments through the load/store pipe that the copies use.
-template <typename U> struct Tiles<U, 64> {
-  typedef std::conditional_t<hk::kWgmma, WgmmaMath<U, 2, 64, 128, 3>, MmaMath<U, kNv ? 8 : 4, 1, 64, 128, 3>>
-      Gate, Down;
-};
-template <typename U> struct Tiles<U, 128> { typedef MmaMath<U, kNv ? 8 : 4, 1, 128, 64, 4> Gate, Down; };
+// Where the build has wgmma (sm_90a), block_m 32 / 64 / 128 run their 64 / 128 / 128 rows as
+// warpgroups on it: 2.3-2.9x less compute per stage than mma.sync from 32 tokens up
+// (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
+template <typename U, int WG, int B, int BK, int S, int WR>
+using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S>, MmaMath<U, WR, 1, B, BK, S>>;
+template <typename U> struct Tiles<U, 32> { typedef Matrix<U, 1, 32, 128, 3, 4> Gate, Down; };
+template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4> Gate, Down; };
+template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4> Gate, Down; };
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {
   typedef SimtMath<1, kSimtWK, 8, kNv ? 256 : 128, 4> Gate;
