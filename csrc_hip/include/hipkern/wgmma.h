@@ -20,6 +20,8 @@
 // + lane / 4 (+ 8) and, per 8-column tile j, elements d[4j .. 4j + 3] at columns 8j + 2 (lane % 4) (+ 1).
 #pragma once
 
+#include <type_traits>
+
 #include "hipkern/dtype.h"
 #include "hipkern/platform.h"
 
@@ -57,136 +59,54 @@ HK_DEVICE void fence_async_shared() { HK_WG_ASM("fence.proxy.async.shared::cta;\
 template <typename T, int N> struct Wgmma;  // specialised below where kWgmma
 
 #if defined(HK_WGMMA) && defined(HK_PLATFORM_CUDA)
-template <> struct Wgmma<bf16_t, 8> {
-  static HK_DEVICE void mma(float (&d)[4], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
-              "%0,%1,%2,%3"
-              "}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<bf16_t, 16> {
-  static HK_DEVICE void mma(float (&d)[8], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7"
-              "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<bf16_t, 32> {
-  static HK_DEVICE void mma(float (&d)[16], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-              "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<bf16_t, 64> {
-  static HK_DEVICE void mma(float (&d)[32], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-              "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+// One m64nNk16 shape for both input types: P and AB are the operand numbers of scale-d and of the
+// two descriptors, REGS the N / 2 accumulators' operand numbers, the rest the accumulators.
+#define HK_WGMMA_TEXT(N, PT, P, AB, REGS)                                                              \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT \
+  " {" REGS "}, " AB ", p, 1, 1, 0, 0;\n}\n"
+#define HK_WGMMA_SHAPE(N, P, AB, REGS, ...)                                                             \
+  template <typename T>                                                                                \
+  struct Wgmma<T, N> {                                                                                 \
+    static_assert(std::is_same<T, bf16_t>::value || std::is_same<T, half_t>::value, "fp16 or bf16");   \
+    static HK_DEVICE void mma(float (&d)[N / 2], uint64_t a, uint64_t b) {                             \
+      if constexpr (std::is_same<T, bf16_t>::value)                                                    \
+        HK_WG_ASM(HK_WGMMA_TEXT(N, "bf16", P, AB, REGS) : __VA_ARGS__ : "l"(a), "l"(b), "r"(1));      \
+      else                                                                                             \
+        HK_WG_ASM(HK_WGMMA_TEXT(N, "f16", P, AB, REGS) : __VA_ARGS__ : "l"(a), "l"(b), "r"(1));       \
+    }                                                                                                  \
+  };
+HK_WGMMA_SHAPE(8, "%6", "%4, %5",
+              "%0,%1,%2,%3",
+                "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]))
+HK_WGMMA_SHAPE(16, "%10", "%8, %9",
+              "%0,%1,%2,%3,%4,%5,%6,%7",
+                "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]))
+HK_WGMMA_SHAPE(32, "%18", "%16, %17",
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15",
+                "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
+HK_WGMMA_SHAPE(64, "%34", "%32, %33",
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15, "
+              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31",
+                "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<bf16_t, 128> {
-  static HK_DEVICE void mma(float (&d)[64], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-              "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-              "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-              "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]))
+HK_WGMMA_SHAPE(128, "%66", "%64, %65",
+              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15, "
+              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31, "
+              "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47, "
+              "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63",
+                "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
                 "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<half_t, 8> {
-  static HK_DEVICE void mma(float (&d)[4], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
-              "%0,%1,%2,%3"
-              "}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<half_t, 16> {
-  static HK_DEVICE void mma(float (&d)[8], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7"
-              "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<half_t, 32> {
-  static HK_DEVICE void mma(float (&d)[16], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-              "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<half_t, 64> {
-  static HK_DEVICE void mma(float (&d)[32], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-              "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
-template <> struct Wgmma<half_t, 128> {
-  static HK_DEVICE void mma(float (&d)[64], uint64_t a, uint64_t b) {
-    HK_WG_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-              "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-              "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-              "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-              "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-              "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-              "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-              : "l"(a), "l"(b), "r"(1));
-  }
-};
+                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]))
+#undef HK_WGMMA_SHAPE
+#undef HK_WGMMA_TEXT
 #endif  // HK_WGMMA
 #undef HK_WG_ASM
 
