@@ -207,10 +207,11 @@ def test_per_sequence_variant_from_the_database_above_its_limit_runs_v16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_per_block", [16, 32])
-@pytest.mark.parametrize("head_size", [128, 256])
+@pytest.mark.parametrize("heads_per_block", [16, 32, 64])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 def test_group_split_over_blocks(heads_per_block, head_size):
-    """A GQA group of 64 (and an odd one of 40) taken by 16- or 32-head blocks, split and unsplit."""
+    """A GQA group of 64 (and an odd one of 40) taken by 16-, 32- or 64-head blocks (64: one block per
+    group, on wgmma where the build has it), split and unsplit."""
     from hipkern.tune.core import Candidate
     from hipkern.tune.paged_attention import pinned
 

@@ -186,7 +186,7 @@ struct DecodeCfg {
 template <typename T, typename M1, typename M2, int BM>
 __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmParams g1, GemmParams g2, DecodeArgs d) {
   typedef DecodeCfg<T, M1, M2, BM> C;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];  // wgmma atoms
+  extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms
   Route<BM>& r = *reinterpret_cast<Route<BM>*>(smem_raw + C::kRouteAt);
   trace_point(0);
   trace_point(3);  // DownHooks overwrites it at each release; a block with no down item keeps its start

@@ -407,7 +407,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 
 template <typename T, typename M, int BM, bool Gated>
 __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];  // wgmma atoms
+  extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms
   constexpr int kTrace = Gated ? 0 : 3;
   trace_point(kTrace);
   gemm_phase<T, M, BM, Gated>(p, smem_raw, PdlHooks<kTrace>());

@@ -103,27 +103,22 @@ template <typename T, int WG, int BM, int BK, int Stages>
 struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   typedef MmaMath<T, 4 * WG, 1, BM, BK, Stages> Base;
   using typename Base::Acc;
-  static constexpr int kVec = 16 / (int)sizeof(T), kAtomK = 128 / (int)sizeof(T), kAtoms = BK / kAtomK;
-  static_assert(BK % kAtomK == 0, "whole 128-byte atoms per row");
+  typedef Sw128<T, BK> L;
   static constexpr int kLd = BK;  // a stage of R rows spans R * kLd elements (1024-byte atoms)
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
-  static HK_DEVICE int at(int r, int c) {
-    return ((r / 8 * kAtoms + c / 8) * 8 + r % 8) * kAtomK + (c % 8 ^ r % 8) * kVec;
-  }
+  static HK_DEVICE int at(int r, int c) { return L::at(r, c); }
 
   // All kToks token rows, padding included (zeros or stale rows whose columns are never stored): one
   // instruction shape, so that the accumulators are never touched between the fence and the wait (a
   // shape chosen at run time made ptxas serialise every wgmma).
   static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int*, int) {
-    constexpr int N = Base::kToks, kSbo = kAtoms * 1024;
+    constexpr int N = Base::kToks;
     const T* w = w_s + 64 * (Base::wr() / 4) * BK;  // at(64 g, 0)
     float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc.c[0][0]);
     wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < BK / 16; ++s) {  // k 16 s .. 16 s + 15: atom 16 s / kAtomK, 32 bytes into its rows
-      const int k = s * 16 / kAtomK * 8 * kAtomK + s * 16 % kAtomK;
-      Wgmma<T, N>::mma(d, wgmma_desc_sw128(w + k, kSbo), wgmma_desc_sw128(x_s + k, kSbo));
-    }
+    for (int s = 0; s < BK / 16; ++s)
+      Wgmma<T, N>::mma(d, wgmma_desc_sw128(w + L::k16(s), L::kSbo), wgmma_desc_sw128(x_s + L::k16(s), L::kSbo));
     wgmma_commit();
     wgmma_wait<0>();  // the stage's buffers are free again at the loop's next barrier
   }

@@ -15,10 +15,16 @@
 //   The WN states of each head tile merge through shared memory (finish() in common.h).
 // Query rows beyond the group are zero and never written. Row strides in shared memory are padded
 // by 16 bytes (conflict-free ldmatrix on NVIDIA).
+// On wgmma (sm_90a, hipkern/wgmma.h), 64-head blocks: each token slice's 4 waves are a warpgroup
+// that computes S = Q K^T for all 64 heads with both operands read by the tensor cores from shared
+// memory, and O += P V with P from registers (the accumulators turned into A fragments, as for
+// mma.sync) and V read as an MN-major operand, so no K, V or Q fragment passes through registers.
+// Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and the P scratch is unused.
 #pragma once
 
 #include "common.h"
 #include "hipkern/mma.h"
+#include "hipkern/wgmma.h"
 
 namespace hk {
 namespace paged_attention {
@@ -36,17 +42,20 @@ struct Cfg {
   typedef MmaTile<T> MT;
   static constexpr int kWaves = waves<WM, kSmall>(), kThreads = kWaves * kWaveSize;
   static constexpr int WN = kWaves / WM;  // waves sharing a head tile, each on a token slice
+  static constexpr bool kWg = kWgmma && WM == 4 && !kSmall;  // two warpgroups: 64 heads x 32 tokens each
   static constexpr int kTile = kSmall ? 32 : 64;  // tokens per pipeline stage
-  static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;
+  static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;  // (wgmma, head 256: 3 fit, no faster)
   static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
   static constexpr int kRows = 16 * WM;      // query heads per block
-  static constexpr int kLd = D + 8;          // shared row stride, elements
+  typedef Sw128<T, D> L;                     // the layout of Q, K and V rows where kWg
+  static constexpr int kLd = kWg ? D : D + 8;  // shared row stride, elements
   static constexpr int kVec = 16 / (int)sizeof(T);
+  static HK_DEVICE int at(int r, int c) { return kWg ? L::at(r, c) : r * kLd + c * kVec; }  // chunk c of row r
   static constexpr int kChunks = D / kVec;   // 16-byte chunks per row
   // shared memory (bytes): Q | per-wave P scratch | pipeline (reused by the merge) | row offsets of
   // two tiles | token flags
   static constexpr int kQ = kRows * kLd * (int)sizeof(T);
-  static constexpr int kScratch = kWaves * MT::M * MT::K * (int)sizeof(T);
+  static constexpr int kScratch = kWg ? 0 : kWaves * MT::M * MT::K * (int)sizeof(T);
   static constexpr int kStage = kTile * kLd * (int)sizeof(T);  // one K or V tile
   static constexpr int kPipe = 2 * kStages * kStage;
   static constexpr int kMerge = WN * kRows * (2 + D) * 4;
@@ -55,6 +64,9 @@ struct Cfg {
   static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kOffsets + kFlags;
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
+  static_assert(bytes <= 227 * 1024 - 1024, "fits an sm_90 block's shared memory with 1 KB of static");
+  static_assert(!kWg || (kRows == 64 && kWaves == 8 && (kQ + kScratch) % 1024 == 0 && kStage % 1024 == 0),
+                "a warpgroup per token slice; 1024-byte aligned atoms");
   static_assert(kThreads >= kTile, "a thread per row reads the block table");
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
@@ -66,7 +78,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   typedef typename C::MT MT;
   constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
   constexpr int kND = D / MT::N;          // output tiles per wave
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms (where kWg)
   T* q_s = reinterpret_cast<T*>(smem_raw);
   T* scratch = reinterpret_cast<T*>(smem_raw + C::kQ);
   unsigned char* pipe = smem_raw + C::kQ + C::kScratch;
@@ -87,7 +99,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   if (q_async) {
     for (int i = threadIdx.x; i < C::kRows * C::kChunks; i += C::kThreads) {
       const int h = i / C::kChunks, c = i % C::kChunks;
-      async_copy16_or_zero(q_s + h * C::kLd + c * C::kVec, q + (h < nh ? h * p.q_stride_h : 0) + c * C::kVec, h < nh);
+      async_copy16_or_zero(q_s + C::at(h, c), q + (h < nh ? h * p.q_stride_h : 0) + c * C::kVec, h < nh);
     }
   }
   const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
@@ -108,7 +120,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   if (!q_async) {
     for (int i = threadIdx.x; i < C::kRows * D; i += C::kThreads) {
       const int h = i / D, d = i % D;
-      q_s[h * C::kLd + d] = h < nh ? q[h * p.q_stride_h + d] : T();
+      q_s[C::at(h, d / C::kVec) + d % C::kVec] = h < nh ? q[h * p.q_stride_h + d] : T();
     }
   }
 
@@ -133,8 +145,8 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     for (int j = 0; j < C::kCopies; ++j) {
       const int r = copy_row(j), c = copy_chunk(j);
       const int64_t src = (off[j] < 0 ? 0 : off[j]) + c * C::kVec;
-      async_copy16_or_zero(ks + r * C::kLd + c * C::kVec, kbase + src, off[j] >= 0);
-      async_copy16_or_zero(vs + r * C::kLd + c * C::kVec, vbase + src, off[j] >= 0);
+      async_copy16_or_zero(ks + C::at(r, c), kbase + src, off[j] >= 0);
+      async_copy16_or_zero(vs + C::at(r, c), vbase + src, off[j] >= 0);
       if (c == 0) ok_s[buf * C::kTile + r] = off[j] >= 0;
     }
   };
@@ -188,6 +200,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       load_ahead(tile);
     } else {
       async_copy_wait_pending<C::kStages - 2>();
+      if constexpr (C::kWg) fence_async_shared();  // the tensor cores read the tile (and Q) directly
     }
     __syncthreads();  // tile is in shared memory; every wave is done with tile - 1's buffer
     if constexpr (C::kStages > 1) {
@@ -205,6 +218,16 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     for (int j = 0; j < kNS; ++j)
 #pragma unroll
       for (int i = 0; i < MT::kC; ++i) s[j][i] = 0.f;
+    if constexpr (C::kWg) {  // the warpgroup's 64 heads x kSlice tokens (ks: the slice's first row, atom-aligned)
+      float(&d)[kNS * MT::kC] = *reinterpret_cast<float(*)[kNS * MT::kC]>(&s[0][0]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        Wgmma<T, C::kSlice>::mma(d, wgmma_desc_sw128(q_s + C::L::k16(kk), C::L::kSbo),
+                                 wgmma_desc_sw128(ks + C::L::k16(kk), C::L::kSbo));
+      wgmma_commit();
+      wgmma_wait<0>();
+    } else
 #pragma unroll
     for (int kk = 0; kk < D / MT::K; ++kk) {
       typename MT::A a;
@@ -247,6 +270,22 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
       for (int i = 0; i < MT::kC; ++i) o[n][i] *= alpha[MT::row_slot(i)];
 
+    if constexpr (C::kWg) {  // O += P V: per 16 tokens, the D columns in instructions of kN
+      constexpr int kN = D < 128 ? D : 128;
+      typename MT::A a[C::kSlice / 16];  // made before the fence: registers wgmma reads
+#pragma unroll
+      for (int kk = 0; kk < C::kSlice / 16; ++kk) MT::a_from_c(a[kk], &s[kk * 16 / MT::N], tmp);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < C::kSlice / 16; ++kk)
+#pragma unroll
+        for (int h = 0; h < D / kN; ++h) {
+          float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&o[h * kN / MT::N][0]);
+          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_sw128(vs + C::at(16 * kk, h * kN / C::kVec), C::L::kSbo, 1024));
+        }
+      wgmma_commit();
+      wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier
+    } else
 #pragma unroll
     for (int kk = 0; kk < C::kSlice / MT::K; ++kk) {  // O += P V
       typename MT::A a;
