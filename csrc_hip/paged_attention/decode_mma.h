@@ -281,7 +281,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
         for (int h = 0; h < D / kN; ++h) {
           float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&o[h * kN / MT::N][0]);
-          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_sw128(vs + C::at(16 * kk, h * kN / C::kVec), C::L::kSbo, 1024));
+          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_sw128(vs + C::at(16 * kk, h * kN / C::kVec), C::L::kSbo, C::L::kLbo));
         }
       wgmma_commit();
       wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier

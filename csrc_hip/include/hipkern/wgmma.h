@@ -1,5 +1,5 @@
-// Warpgroup matrix multiply-accumulate (wgmma, sm_90a) with both operands in shared memory, for
-// fp16/bf16 inputs and fp32 accumulators:
+// Warpgroup matrix multiply-accumulate (wgmma, sm_90a) with B (and A, or A from registers) in shared
+// memory, for fp16/bf16 inputs and fp32 accumulators:
 //
 //   kWgmma                      whether this build has it (the JIT builds sm_90 as sm_90a and says so
 //                               with -DHK_WGMMA=1); elsewhere false: the helpers are no-ops and
@@ -13,7 +13,8 @@
 //                               (1024 B, 1024-byte aligned), the 16-byte chunk c of row r stored at
 //                               chunk c ^ (r % 8), a row group's K / 64 (16-bit) atoms adjacent;
 //                               at(r, c): element offset of chunk c of row r; k16(s): of k step s of
-//                               row 0; kSbo: bytes between 8-row groups
+//                               row 0; kSbo: bytes between 8-row groups; kLbo: bytes between the
+//                               atoms of one row group (adjacent), an MN-major operand's lbo
 //   wgmma_desc_sw128(p, sbo, lbo)  the descriptor of an operand in such atoms: p the first row's
 //                               address (K-major: + k16(s) per k step), sbo the bytes between 8-row
 //                               groups; MN-major operands (rows along K, 64 elements of M or N per
@@ -62,7 +63,7 @@ HK_DEVICE uint64_t wgmma_desc_sw128(const void* p, uint32_t sbo, uint32_t lbo = 
 template <typename T, int K>
 struct Sw128 {
   static constexpr int kVec = 16 / (int)sizeof(T), kAtomK = 128 / (int)sizeof(T), kAtoms = K / kAtomK;
-  static constexpr int kSbo = kAtoms * 1024;
+  static constexpr int kSbo = kAtoms * 1024, kLbo = 1024;
   static_assert(K % kAtomK == 0, "whole 128-byte atoms per row");
   static HK_DEVICE constexpr int at(int r, int c) {
     return ((r / 8 * kAtoms + c / 8) * 8 + r % 8) * kAtomK + (c % 8 ^ r % 8) * kVec;
