@@ -223,6 +223,38 @@ def test_group_split_over_blocks(heads_per_block, head_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant,heads_per_block", [("v16", 16), ("v16", 32), ("v16", 64), ("v6", 16)])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_split_merged_in_clusters(variant, heads_per_block, head_size):
+    """Uniform splits of 2..8 partitions of 64 tokens, merged inside thread-block clusters where the GPU
+    has them (sm_90: asserted), else by the merge kernel: full, partly empty (skipped blocks in a
+    cluster), single-partition (unmerged) and empty contexts in one batch, every block kind."""
+    from hipkern.ops._common import module_for
+    from hipkern.ops.paged_attention import merges_in_clusters
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    group, kv_heads = (64, 1) if heads_per_block > 16 else (16, 1)
+    mod = module_for("paged_attention", torch.cuda.current_device(), dtype="bfloat16", head_size=head_size)
+    clusters = torch.cuda.get_device_capability()[0] == 9
+    pin = {"heads_per_block": heads_per_block} if variant == "v16" else {}
+    used = []
+    for parts in range(2, 9):
+        n = 64 * parts
+        lens = [n, 1, 63, 64, 65, 0, n - 1, n - 63, n // 2 + 1]
+        case = make_case(lens, num_kv_heads=kv_heads, group=group, head_size=head_size, extra_blocks=0,
+                         seed=parts + head_size)
+        assert case[3].shape[1] * 16 == n  # the block table addresses exactly `parts` partitions
+        blocks = len(lens) * kv_heads * (group // heads_per_block) * parts
+        kernel = "mma_small" if variant == "v6" else "mma"
+        used.append(merges_in_clusters(mod, kernel, heads_per_block, parts, blocks, case[0].get_device()))
+        with pinned(Candidate.of(variant, partition_size=64, **pin)):
+            o, lse = run_and_check(case, variant=None, msg=f"{parts} partitions (clusters: {used[-1]}) ")
+        assert (o[5] == 0).all() and (lse[5] == -math.inf).all()
+    assert used[0] == clusters and (clusters or not any(used))  # 2 partitions always fit clusters on sm_90
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("alias", sorted(ALIASES))
 def test_aliases_run_their_variant(alias):
     case = make_case([1, 64, 1000], num_kv_heads=2, group=8)

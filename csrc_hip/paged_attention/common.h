@@ -35,7 +35,13 @@ struct Params {
   // [item][num_q_heads][D], and seq_parts[seq] = (first item, items).
   int split_target;
   int32_t* seq_parts;
+  // > 1 (set by launch_decode, uniform split only): the partitions of each (sequence, head group) are
+  // the blocks of one thread-block cluster of this many, merged inside it (cluster_merge): part_o and
+  // part_ml are not used and no merge kernel runs.
+  int cluster;
 };
+
+constexpr int kMaxCluster = 8;  // the portable cluster size
 
 // A sequence's context length, clamped to what its block-table row can address (never negative).
 HK_DEVICE int context_len(const Params& p, int seq) {
@@ -159,12 +165,87 @@ HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
   return (int64_t)blk * p.kv_stride_block + (int64_t)(t & ((1 << p.block_size_log2) - 1)) * p.kv_stride_tok;
 }
 
+// Whether a block of a cluster launch merges its partition inside the cluster (else, when its
+// sequence has a single partition, it writes the output itself and the other blocks are skipped).
+HK_DEVICE bool cluster_merged(const Params& p, const BlockWork& w) { return kClusters && p.cluster > 1 && w.partial; }
+
+// Shared memory a cluster merge needs besides the blocks' outputs (floats): (m, l) per head.
+template <int kRows> constexpr int kClusterFloats = 2 * kRows;
+
+// The merge of a cluster launch (cluster_merged): the blocks of one cluster are the partitions of one
+// (sequence, head group), rank = partition. Each has left its state in its shared memory, at the same
+// offsets in every block: ml_s[2h], ml_s[2h + 1] = (m, l) of head h (m = -inf: an empty partition,
+// whose o_s is never used) and o_s[h][0..D) its output relative to m. Every block then writes its
+// 1 / cluster share of the (head, 4 columns) outputs, each thread reading every state's (m, l) and
+// columns through distributed shared memory at once (one round trip): no partial leaves the SMs and
+// no merge kernel runs. All threads of every block of the cluster call it.
+template <typename T, int D, int kRows, int kThreads>
+HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
+  const int n = p.cluster;
+  cluster_sync();  // every block's state is written
+  constexpr int kPerRow = D / 4;
+  const int total = w.nh * kPerRow, share = (total + n - 1) / n, hi = min(total, (w.part + 1) * share);
+  for (int i = w.part * share + (int)threadIdx.x; i < hi; i += kThreads) {
+    const int h = i / kPerRow, d = i % kPerRow * 4;
+    float m[kMaxCluster], l[kMaxCluster];
+    float4 o[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {
+      if (r < n) {
+        m[r] = cluster_load(cluster_map(ml_s + 2 * h, r));
+        l[r] = cluster_load(cluster_map(ml_s + 2 * h + 1, r));
+        o[r] = cluster_load4(cluster_map(o_s + h * D + d, r));
+      } else {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+      }
+    }
+    float M = -INFINITY, L = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) M = fmaxf(M, m[r]);
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {
+      if (m[r] == -INFINITY) continue;  // an empty partition: its o_s was never written
+      const float c = fast_exp2(m[r] - M);
+      L += l[r] * c;
+      acc[0] += o[r].x * c;
+      acc[1] += o[r].y * c;
+      acc[2] += o[r].z * c;
+      acc[3] += o[r].w * c;
+    }
+    const float f = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j] *= f;
+    const int64_t sh = (int64_t)w.seq * p.num_q_heads + w.head0 + h;
+    store_from_float<T, 4>(static_cast<T*>(p.out) + sh * D + d, acc);
+    if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
+  }
+  cluster_sync();  // no block leaves (its shared memory) while another still reads it
+}
+
+// A skipped block of a merged cluster (an empty partition): an empty state for every head, then the
+// merge (o_s: where the other blocks keep theirs). Called after each thread's own copies are waited
+// for; the barrier then orders every thread's copies (the query rows, where ml_s is) before the state.
+template <typename T, int D, int kRows, int kThreads>
+HK_DEVICE void cluster_merge_empty(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
+  __syncthreads();
+  if (threadIdx.x < w.nh) {
+    ml_s[2 * threadIdx.x] = -INFINITY;
+    ml_s[2 * threadIdx.x + 1] = 0.f;
+  }
+  cluster_merge<T, D, kRows, kThreads>(p, ml_s, o_s, w);
+}
+
 // The end of a block: merge kStates softmax states of its nh query heads (m_w, l_w: [kStates][kRows];
 // a_w: [kStates][kRows][D], 16-byte aligned, in shared memory) and write the output rows, or the
 // unnormalised partials and (m, l) when w.partial. m_w and l_w are overwritten (per-head weights).
+// In a merged cluster (cluster_merged; ml_s: kClusterFloats<kRows> floats of shared memory) the
+// partial stays in shared memory (a_w's first state, ml_s) for cluster_merge instead.
 template <typename T, int D, int kStates, int kRows, int kThreads>
-HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, const float* a_w, const BlockWork& w) {
+HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const BlockWork& w,
+                      float* ml_s = nullptr) {
   static_assert(D % 4 == 0 && (2 * kStates * kRows) % 4 == 0, "16-byte rows of a_w");
+  const bool in_cluster = ml_s != nullptr && cluster_merged(p, w);
   if (threadIdx.x < w.nh) {  // per head: each state's weight (into m_w), and the output scale (l_w[h])
     const int h = threadIdx.x;
     float M = -INFINITY, L = 0.f;
@@ -177,7 +258,10 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, const float* a_w,
       m_w[s * kRows + h] = c;
     }
     const int64_t sh = (int64_t)w.seq * p.num_q_heads + w.head0 + h;
-    if (w.partial) {
+    if (in_cluster) {
+      ml_s[2 * h] = M;
+      ml_s[2 * h + 1] = L;
+    } else if (w.partial) {
       const int64_t r = partial_row(p, w, h);
       p.part_ml[2 * r] = M;
       p.part_ml[2 * r + 1] = L;
@@ -203,12 +287,15 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, const float* a_w,
     const float f = l_w[h];
 #pragma unroll
     for (int j = 0; j < kV; ++j) o[j] *= f;
-    if (w.partial) {
+    if (in_cluster) {  // in place: this thread alone reads and writes these 4 columns of head h
+      *reinterpret_cast<float4*>(a_w + h * D + d) = make_float4(o[0], o[1], o[2], o[3]);
+    } else if (w.partial) {
       *reinterpret_cast<float4*>(p.part_o + partial_row(p, w, h) * D + d) = make_float4(o[0], o[1], o[2], o[3]);
     } else {
       store_from_float<T, kV>(static_cast<T*>(p.out) + ((int64_t)w.seq * p.num_q_heads + w.head0 + h) * D + d, o);
     }
   }
+  if (in_cluster) cluster_merge<T, D, kRows, kThreads>(p, ml_s, a_w, w);
 }
 
 // Combine the partials of each (sequence, head) that has several: grid (ceil(num_q_heads / kHeadsM),
@@ -260,16 +347,60 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
 }
 
+// Whether a uniform split of `parts` partitions runs as clusters (cluster_merge) for a kernel that
+// can: where the build has clusters, parts <= kMaxCluster, and clusters of `parts` blocks need no
+// more rounds over the device than the blocks alone (a cluster's blocks must fit one GPC at once).
+// `cache`: the kernel's per device (< 64): [0] its resident blocks, [parts] its resident clusters of
+// `parts` blocks, each plus one (0: not asked yet). HIPKERN_NO_CLUSTERS=1 in the environment turns
+// clusters off (the merge kernel), for comparisons.
+typedef int ClusterCache[64][kMaxCluster + 1];
+template <typename Kernel>
+int use_clusters(Kernel kernel, ClusterCache& cache, int threads, int smem_bytes, int parts, int64_t blocks,
+                 int device, bool* out) {
+  static const bool off = getenv("HIPKERN_NO_CLUSTERS") != nullptr;  // diagnostic, as HIPKERN_NO_PDL
+  *out = false;
+  if (!kClusters || off || parts < 2 || parts > kMaxCluster) return 0;
+  int* c = device < 64 ? cache[device] : nullptr;
+  int slots = c ? __atomic_load_n(&c[0], __ATOMIC_RELAXED) - 1 : -1;
+  int clusters = c ? __atomic_load_n(&c[parts], __ATOMIC_RELAXED) - 1 : -1;
+  if (slots < 0) {
+    int per_sm = 0, sms = 0;
+    HK_CHECK(hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+    HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
+    slots = per_sm * sms;
+    if (c) __atomic_store_n(&c[0], slots + 1, __ATOMIC_RELAXED);
+  }
+  if (clusters < 0) {
+    HK_TRY(max_clusters(kernel, threads, smem_bytes, (unsigned)parts, &clusters));
+    if (c) __atomic_store_n(&c[parts], clusters + 1, __ATOMIC_RELAXED);
+  }
+  const int64_t cluster_slots = (int64_t)clusters * parts;
+  *out = cluster_slots > 0 && slots > 0 && (blocks + cluster_slots - 1) / cluster_slots <= (blocks + slots - 1) / slots;
+  return 0;
+}
+
 // Launch a decode kernel of `heads` query heads per block over the grid block_work() reads, then
-// the merge if split.
+// the merge if split. A kernel that calls finish() with shared memory for the cluster merge
+// (`cluster_cache` non-null) runs a uniform split as clusters where use_clusters() says so.
 template <typename T, int D, typename Kernel>
 int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, int heads, int num_kv_heads,
                   int num_seqs, int threads, int smem_bytes, int device, hipStream_t stream,
-                  const char* name /* "launch of ..." */) {
+                  const char* name /* "launch of ..." */, ClusterCache* cluster_cache = nullptr) {
   HK_TRY(allow_shared(kernel, raised, smem_bytes, device));
   const unsigned hgroups = (unsigned)((p.group + heads - 1) / heads);
   const unsigned items = p.split_target > 0 ? (unsigned)(num_seqs + p.split_target) : (unsigned)num_seqs;
   const dim3 grid((unsigned)num_kv_heads * hgroups, items, p.split_target > 0 ? 1u : (unsigned)p.num_partitions);
+  bool clusters = false;
+  if (cluster_cache != nullptr && p.split_target == 0)
+    HK_TRY(use_clusters(kernel, *cluster_cache, threads, smem_bytes, p.num_partitions,
+                        (int64_t)grid.x * grid.y * grid.z, device, &clusters));
+  if (clusters) {
+    Params q = p;
+    q.cluster = p.num_partitions;
+    const hipError_t err = launch_clusters(kernel, grid, dim3(threads), smem_bytes, stream, (unsigned)q.cluster, q);
+    if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
+    return 0;
+  }
   hipLaunchKernelGGL(kernel, grid, dim3(threads), smem_bytes, stream, p);
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);

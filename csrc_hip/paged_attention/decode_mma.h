@@ -12,7 +12,10 @@
 //   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
 //     its kTile / WN tokens, S = Q K^T (MmaTile, fp32), the online softmax in the log2 domain on the
 //     accumulators, and O += P V with P rounded to the cache dtype (as flash attention does).
-//   The WN states of each head tile merge through shared memory (finish() in common.h).
+//   The WN states of each head tile merge through shared memory (finish() in common.h); a uniform
+//   split of at most kMaxCluster partitions runs, where the build has clusters (sm_90a), as one
+//   thread-block cluster per (sequence, head group) that merges its partitions in distributed shared
+//   memory (cluster_merge), else through partials and the merge kernel.
 // Query rows beyond the group are zero and never written. Row strides in shared memory are padded
 // by 16 bytes (conflict-free ldmatrix on NVIDIA).
 // On wgmma (sm_90a, hipkern/wgmma.h), 64-head blocks: each token slice's 4 waves are a warpgroup
@@ -70,6 +73,7 @@ struct Cfg {
   static_assert(kThreads >= kTile, "a thread per row reads the block table");
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
+  static_assert(kClusterFloats<kRows> * 4 <= kQ, "a cluster merge's (m, l) fit where Q was");
 };
 
 template <typename T, int D, int WM, bool kSmall>
@@ -113,8 +117,15 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   for (int s = 0; s < kAhead; ++s)
 #pragma unroll
     for (int j = 0; j < C::kCopies; ++j) ahead[s][j] = token_offset(p, bt, start + s * C::kTile + copy_row(j));
+  // The merge area (after the loop): the WN states' (m, l) and outputs, over the pipeline; a cluster
+  // merge's per-head states and weights where the query rows were.
+  float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
+  float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
+  float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][D]
+  float* ml_s = reinterpret_cast<float*>(smem_raw);
   if (work.skip) {
     async_copy_wait();
+    if (cluster_merged(p, work)) cluster_merge_empty<T, D, C::kRows, C::kThreads>(p, ml_s, a_w, work);
     return;
   }
   if (!q_async) {
@@ -304,9 +315,6 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   // Merge the WN states of each head tile.
   async_copy_wait();
   __syncthreads();
-  float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
-  float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
-  float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][D]
 #pragma unroll
   for (int i = 0; i < MT::kC; ++i) {
     const int row = wn * C::kRows + wm * MT::M + MT::c_row(i);
@@ -318,7 +326,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     for (int n = 0; n < kND; ++n) a_w[row * D + n * MT::N + MT::c_col(i)] = o[n][i];
   }
   __syncthreads();
-  finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, work);
+  finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, work, ml_s);
 }
 
 template <typename T, int D, int WM, bool kSmall>
@@ -328,11 +336,26 @@ unsigned long long& raised() {  // devices with the shared limit raised
 }
 
 template <typename T, int D, int WM, bool kSmall>
+ClusterCache& cluster_cache() {  // this kernel's resident blocks and clusters (use_clusters)
+  static ClusterCache c = {};
+  return c;
+}
+
+template <typename T, int D, int WM, bool kSmall>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
   typedef Cfg<T, D, WM, kSmall> C;
   return launch_decode<T, D>(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), p, C::kRows, num_kv_heads,
                              num_seqs, C::kThreads, C::bytes, device, stream,
-                             "launch of paged_attention mma::decode_kernel");
+                             "launch of paged_attention mma::decode_kernel", &cluster_cache<T, D, WM, kSmall>());
+}
+
+// Whether launch() runs a uniform split of `parts` partitions over `blocks` blocks as clusters.
+template <typename T, int D, int WM, bool kSmall>
+int clusters(int parts, int64_t blocks, int device, bool* out) {
+  typedef Cfg<T, D, WM, kSmall> C;
+  HK_TRY(allow_shared(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), C::bytes, device));
+  return use_clusters(&decode_kernel<T, D, WM, kSmall>, cluster_cache<T, D, WM, kSmall>(), C::kThreads, C::bytes, parts,
+                      blocks, device, out);
 }
 
 template <typename T, int D, int WM, bool kSmall>

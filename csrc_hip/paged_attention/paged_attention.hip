@@ -6,7 +6,8 @@
 //             shared memory (v16, v5);
 //   kernel 2, decode_mma.h with its small configuration: 2 waves, 32-token tiles (v6).
 // A block takes one partition of one sequence's context; with several partitions (flash-decoding
-// split-K) blocks write unnormalised partials and (m, l), merged by merge_kernel. All cache offsets
+// split-K) blocks write unnormalised partials and (m, l), merged by merge_kernel; on sm_90 the matrix-
+// core kernels merge up to 8 partitions inside a thread-block cluster instead (common.h). All cache offsets
 // are 64-bit. Invalid metadata never reads out of bounds: context lengths are clamped to [0, what the
 // block table row addresses] and tokens whose block id lies outside the cache are masked.
 #include "decode_mma.h"
@@ -21,24 +22,31 @@ typedef typename hk::elem_of<HK_DTYPE>::type T;
 constexpr int D = HK_HEAD_SIZE;
 using hk::paged_attention::Params;
 
-template <int Kernel, int Heads> struct Pick;  // one kernel instantiation: its launch and occupancy
+template <int Kernel, int Heads> struct Pick;  // one kernel instantiation: its launch, occupancy, merge
 template <int H> struct Pick<0, H> {
   static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
     return hk::paged_attention::simt::launch<T, D, H>(p, s, kv, dev, st);
   }
   static int resident(int dev, int* out) { return hk::paged_attention::simt::resident<T, D, H>(dev, out); }
+  static int clusters(int, int64_t, int, bool* out) { return *out = false, 0; }  // merges through partials
 };
 template <int H> struct Pick<1, H> {
   static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
     return hk::paged_attention::mma::launch<T, D, H / 16, false>(p, s, kv, dev, st);
   }
   static int resident(int dev, int* out) { return hk::paged_attention::mma::resident<T, D, H / 16, false>(dev, out); }
+  static int clusters(int parts, int64_t blocks, int dev, bool* out) {
+    return hk::paged_attention::mma::clusters<T, D, H / 16, false>(parts, blocks, dev, out);
+  }
 };
 template <> struct Pick<2, 16> {
   static int launch(const Params& p, int s, int kv, int dev, hipStream_t st) {
     return hk::paged_attention::mma::launch<T, D, 1, true>(p, s, kv, dev, st);
   }
   static int resident(int dev, int* out) { return hk::paged_attention::mma::resident<T, D, 1, true>(dev, out); }
+  static int clusters(int parts, int64_t blocks, int dev, bool* out) {
+    return hk::paged_attention::mma::clusters<T, D, 1, true>(parts, blocks, dev, out);
+  }
 };
 
 // Calls fn(Pick<kernel, heads_per_block>()) for the instantiations that exist.
@@ -107,4 +115,17 @@ HK_EXPORT int hk_paged_attention_decode(
 HK_EXPORT int hk_paged_attention_resident_blocks(int kernel, int heads_per_block, int device, int* blocks) {
   HK_TRY(hk::use_device(device));
   return dispatch(kernel, heads_per_block, [&](auto pick) { return decltype(pick)::resident(device, blocks); });
+}
+
+// Whether a uniform split of num_partitions partitions over `blocks` blocks of a kernel (as chosen by
+// kernel / heads_per_block above) merges inside thread-block clusters (1) or through partials and the
+// merge kernel (0), into *out. Returns 0 or an error code.
+HK_EXPORT int hk_paged_attention_cluster_merge(int kernel, int heads_per_block, int num_partitions, int64_t blocks,
+                                               int device, int* out) {
+  HK_TRY(hk::use_device(device));
+  bool yes = false;
+  HK_TRY(dispatch(kernel, heads_per_block,
+                  [&](auto pick) { return decltype(pick)::clusters(num_partitions, blocks, device, &yes); }));
+  *out = yes ? 1 : 0;
+  return 0;
 }

@@ -58,6 +58,9 @@ MODULE_FAMILIES = {
               "i32", "ptr")),
             # kernel, heads_per_block, device, int* blocks (out): resident blocks per SM/CU
             ("hk_paged_attention_resident_blocks", "i32", ("i32", "i32", "i32", "ptr")),
+            # kernel, heads_per_block, num_partitions, blocks, device, int* out: 1 when that uniform split
+            # merges inside thread-block clusters (sm_90), 0 through partials and the merge kernel
+            ("hk_paged_attention_cluster_merge", "i32", ("i32", "i32", "i32", "i64", "i32", "ptr")),
         ),
     },
     "grouped_topk": {

@@ -141,6 +141,18 @@ def resident_blocks(mod, kernel: str, heads_per_block: int, device: int) -> int:
     return max(1, n.value)
 
 
+def merges_in_clusters(mod, kernel: str, heads_per_block: int, num_partitions: int, blocks: int, device: int) -> bool:
+    """Whether a uniform split of `num_partitions` partitions over `blocks` blocks of a kernel merges
+    inside thread-block clusters (sm_90: no partials, no merge kernel) rather than through the merge
+    kernel. The launcher decides; this asks it the same question (for tests and the benchmark)."""
+    n = ctypes.c_int(0)
+    rc = mod.hk_paged_attention_cluster_merge(KERNELS[kernel].code, heads_per_block, num_partitions, blocks, device,
+                                              ctypes.addressof(n))
+    if rc:
+        mod.check(rc, "paged_attention_decode (cluster merge)")
+    return bool(n.value)
+
+
 def _split(shape: Shape, partition_size: int) -> Plan:
     parts = max(1, math.ceil(shape.max_tokens / partition_size))
     if parts > MAX_PARTITIONS:  # larger partitions, whole tiles, within the grid

@@ -59,4 +59,54 @@ hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, un
 #endif
 }
 
+// Clusters (kClusters builds only; hipErrorNotSupported elsewhere): launch `kernel` with its blocks
+// in clusters of cluster_z consecutive blocks along z (grid.z a multiple of it), and how many such
+// clusters of it (block threads, smem bytes) can be resident on the device at once.
+template <typename... Params, typename... Args>
+hipError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
+                           unsigned cluster_z, Args... args) {
+#if defined(HK_PLATFORM_CUDA)
+  if (kClusters) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = cluster_z;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
+  }
+#endif
+  (void)kernel, (void)grid, (void)block, (void)smem, (void)stream, (void)cluster_z;
+  return hipErrorNotSupported;
+}
+
+template <typename Kernel>
+int max_clusters(Kernel kernel, int threads, int smem, unsigned cluster_z, int* out) {
+  *out = 0;
+#if defined(HK_PLATFORM_CUDA)
+  if (kClusters) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = cluster_z;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, 1, cluster_z);
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    HK_CHECK(cudaOccupancyMaxActiveClusters(out, reinterpret_cast<const void*>(kernel), &cfg));
+  }
+#endif
+  (void)kernel, (void)threads, (void)smem, (void)cluster_z;
+  return 0;
+}
+
 }  // namespace hk

@@ -211,6 +211,58 @@ HK_DEVICE void griddep_launch_dependents() {
 #endif
 }
 
+// Thread-block clusters (sm_90a builds, which the JIT marks with -DHK_WGMMA=1; every compute-
+// capability-9.0 GPU runs them): the blocks of a cluster are resident at once on one GPC and read
+// each other's shared memory. kClusters says whether the build has them; elsewhere no launcher forms
+// a cluster and these compile to nothing.
+#if defined(HK_PLATFORM_CUDA) && defined(HK_WGMMA)
+constexpr bool kClusters = true;
+#else
+constexpr bool kClusters = false;
+#endif
+#if defined(HK_PLATFORM_CUDA) && defined(HK_WGMMA) && defined(__CUDA_ARCH__)
+#define HK_CLUSTER_DEVICE 1
+#endif
+
+// Every thread of every block of the cluster: a barrier that also makes each block's shared-memory
+// writes before it visible to the others' reads after it.
+HK_DEVICE void cluster_sync() {
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// The address of this block's shared-memory location p in the block of cluster rank `rank`, for
+// cluster_load / cluster_load4 (p 16-byte aligned for the latter).
+HK_DEVICE uint32_t cluster_map(const void* p, int rank) {
+  uint32_t r = 0;
+#if defined(HK_CLUSTER_DEVICE)
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+#else
+  (void)p, (void)rank;
+#endif
+  return r;
+}
+HK_DEVICE float cluster_load(uint32_t a) {
+  float v = 0.f;
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a));
+#else
+  (void)a;
+#endif
+  return v;
+}
+HK_DEVICE float4 cluster_load4(uint32_t a) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+#else
+  (void)a;
+#endif
+  return v;
+}
+
 HK_DEVICE lanemask_t ballot(bool pred) {
 #if defined(HK_PLATFORM_HIP)
   return __ballot(pred);
