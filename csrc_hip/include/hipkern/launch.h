@@ -33,6 +33,31 @@ int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int 
   return 0;
 }
 
+#if defined(HK_PLATFORM_CUDA)
+// A cudaLaunchKernelEx configuration with one attribute (*attr, which must outlive it).
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
+                                        cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// The attribute of clusters of cluster_z consecutive blocks along z.
+inline cudaLaunchAttribute cluster_attr(unsigned cluster_z) {
+  cudaLaunchAttribute a;
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = 1;
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = cluster_z;
+  return a;
+}
+#endif
+
 // Launch `kernel` after the work before it in `stream`, allowed to start early where the target has
 // programmatic dependent launch (CUDA, sm_90: the kernel must call griddep_wait() before it reads what
 // the previous kernel writes); a plain launch elsewhere. Returns the launch's error.
@@ -42,16 +67,10 @@ hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, un
                             Args... args) {
 #if defined(HK_PLATFORM_CUDA)
   static const bool off = getenv("HIPKERN_NO_PDL") != nullptr;  // diagnostic: plain launches, to compare
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = off ? 0 : 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = off ? 0 : 1;
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr);
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 #else
   hipLaunchKernelGGL(kernel, grid, block, smem, stream, args...);
@@ -67,18 +86,8 @@ hipError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, uns
                            unsigned cluster_z, Args... args) {
 #if defined(HK_PLATFORM_CUDA)
   if (kClusters) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = cluster_z;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr = cluster_attr(cluster_z);
+    const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr);
     return cudaLaunchKernelEx(&cfg, kernel, args...);
   }
 #endif
@@ -91,17 +100,9 @@ int max_clusters(Kernel kernel, int threads, int smem, unsigned cluster_z, int* 
   *out = 0;
 #if defined(HK_PLATFORM_CUDA)
   if (kClusters) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = cluster_z;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1, 1, cluster_z);
-    cfg.blockDim = dim3((unsigned)threads);
-    cfg.dynamicSmemBytes = (size_t)smem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr = cluster_attr(cluster_z);
+    const cudaLaunchConfig_t cfg =
+        launch_config(dim3(1, 1, cluster_z), dim3((unsigned)threads), (unsigned)smem, nullptr, &attr);
     HK_CHECK(cudaOccupancyMaxActiveClusters(out, reinterpret_cast<const void*>(kernel), &cfg));
   }
 #endif
