@@ -355,8 +355,8 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
 // clusters off (the merge kernel), for comparisons.
 typedef int ClusterCache[64][kMaxCluster + 1];
 template <typename Kernel>
-int use_clusters(Kernel kernel, ClusterCache& cache, int threads, int smem_bytes, int parts, int64_t blocks,
-                 int device, bool* out) {
+int use_clusters(Kernel kernel, unsigned long long& raised, ClusterCache& cache, int threads, int smem_bytes, int parts,
+                 int64_t blocks, int device, bool* out) {
   static const bool off = getenv("HIPKERN_NO_CLUSTERS") != nullptr;  // diagnostic, as HIPKERN_NO_PDL
   *out = false;
   if (!kClusters || off || parts < 2 || parts > kMaxCluster) return 0;
@@ -365,7 +365,7 @@ int use_clusters(Kernel kernel, ClusterCache& cache, int threads, int smem_bytes
   int clusters = c ? __atomic_load_n(&c[parts], __ATOMIC_RELAXED) - 1 : -1;
   if (slots < 0) {
     int per_sm = 0, sms = 0;
-    HK_CHECK(hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+    HK_TRY(resident_blocks(kernel, raised, threads, smem_bytes, device, &per_sm));
     HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
     slots = per_sm * sms;
     if (c) __atomic_store_n(&c[0], slots + 1, __ATOMIC_RELAXED);
@@ -392,7 +392,7 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   const dim3 grid((unsigned)num_kv_heads * hgroups, items, p.split_target > 0 ? 1u : (unsigned)p.num_partitions);
   bool clusters = false;
   if (cluster_cache != nullptr && p.split_target == 0)
-    HK_TRY(use_clusters(kernel, *cluster_cache, threads, smem_bytes, p.num_partitions,
+    HK_TRY(use_clusters(kernel, raised, *cluster_cache, threads, smem_bytes, p.num_partitions,
                         (int64_t)grid.x * grid.y * grid.z, device, &clusters));
   if (clusters) {
     Params q = p;

@@ -353,9 +353,8 @@ int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStrea
 template <typename T, int D, int WM, bool kSmall>
 int clusters(int parts, int64_t blocks, int device, bool* out) {
   typedef Cfg<T, D, WM, kSmall> C;
-  HK_TRY(allow_shared(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), C::bytes, device));
-  return use_clusters(&decode_kernel<T, D, WM, kSmall>, cluster_cache<T, D, WM, kSmall>(), C::kThreads, C::bytes, parts,
-                      blocks, device, out);
+  return use_clusters(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), cluster_cache<T, D, WM, kSmall>(),
+                      C::kThreads, C::bytes, parts, blocks, device, out);
 }
 
 template <typename T, int D, int WM, bool kSmall>
