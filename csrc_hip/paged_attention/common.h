@@ -169,17 +169,24 @@ HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
 // sequence has a single partition, it writes the output itself and the other blocks are skipped).
 HK_DEVICE bool cluster_merged(const Params& p, const BlockWork& w) { return kClusters && p.cluster > 1 && w.partial; }
 
+// Row stride (floats) of the merge area's outputs (a_w in finish): padded so that a matrix-core
+// wave's accumulator stores (MmaTile::store_c: 8 rows a store on NVIDIA, 4 groups of rows on CDNA)
+// spread over all banks instead of landing D floats (a multiple of the banks) apart.
+template <int D> HK_HOST_DEVICE constexpr int merge_ld() { return D + (kWaveSize == 32 ? 8 : 4); }
+
 // Shared memory a cluster merge needs besides the blocks' outputs (floats): (m, l) per head.
 template <int kRows> constexpr int kClusterFloats = 2 * kRows;
 
 // The merge of a cluster launch (cluster_merged): the blocks of one cluster are the partitions of one
 // (sequence, head group), rank = partition. Each has left its state in its shared memory, at the same
-// offsets in every block: ml_s[2h], ml_s[2h + 1] = (m, l) of head h (m = -inf: an empty partition,
-// whose o_s is never used) and o_s[h][0..D) its output relative to m. Every block then writes its
+// offsets in every block: ml_s[2h], ml_s[2h + 1] = (m, l) of head h (m = -inf and zero outputs: an
+// empty partition) and o_s[h * kLd ..][0..D) its output relative to m. Every block then writes its
 // 1 / cluster share of the (head, 4 columns) outputs, each thread reading every state's (m, l) and
 // columns through distributed shared memory at once (one round trip): no partial leaves the SMs and
-// no merge kernel runs. All threads of every block of the cluster call it.
-template <typename T, int D, int kRows, int kThreads>
+// no merge kernel runs. All threads of every block of the cluster call it. The loops stay small: at
+// the smallest shapes a block runs this code once, cold, and its instruction fetches cost more than
+// the loads.
+template <typename T, int D, int kRows, int kThreads, int kLd>
 HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
   const int n = p.cluster;
   cluster_sync();  // every block's state is written
@@ -187,27 +194,25 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
   const int total = w.nh * kPerRow, share = (total + n - 1) / n, hi = min(total, (w.part + 1) * share);
   for (int i = w.part * share + (int)threadIdx.x; i < hi; i += kThreads) {
     const int h = i / kPerRow, d = i % kPerRow * 4;
-    float m[kMaxCluster], l[kMaxCluster];
+    float2 ml[kMaxCluster];
     float4 o[kMaxCluster];
 #pragma unroll
     for (int r = 0; r < kMaxCluster; ++r) {
       if (r < n) {
-        m[r] = cluster_load(cluster_map(ml_s + 2 * h, r));
-        l[r] = cluster_load(cluster_map(ml_s + 2 * h + 1, r));
-        o[r] = cluster_load4(cluster_map(o_s + h * D + d, r));
+        ml[r] = cluster_load2(cluster_map(ml_s + 2 * h, r));
+        o[r] = cluster_load4(cluster_map(o_s + h * kLd + d, r));
       } else {
-        m[r] = -INFINITY;
-        l[r] = 0.f;
+        ml[r] = make_float2(-INFINITY, 0.f);
+        o[r] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
     float M = -INFINITY, L = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) M = fmaxf(M, m[r]);
+    for (int r = 0; r < kMaxCluster; ++r) M = fmaxf(M, ml[r].x);
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) {
-      if (m[r] == -INFINITY) continue;  // an empty partition: its o_s was never written
-      const float c = fast_exp2(m[r] - M);
-      L += l[r] * c;
+    for (int r = 0; r < kMaxCluster; ++r) {  // every value read is used (an empty state with weight 0)
+      const float c = merge_weight(ml[r].x, M);
+      L += ml[r].y * c;
       acc[0] += o[r].x * c;
       acc[1] += o[r].y * c;
       acc[2] += o[r].z * c;
@@ -220,31 +225,21 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
     store_from_float<T, 4>(static_cast<T*>(p.out) + sh * D + d, acc);
     if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
   }
-  cluster_sync();  // no block leaves (its shared memory) while another still reads it
-}
-
-// A skipped block of a merged cluster (an empty partition): an empty state for every head, then the
-// merge (o_s: where the other blocks keep theirs). Called after each thread's own copies are waited
-// for; the barrier then orders every thread's copies (the query rows, where ml_s is) before the state.
-template <typename T, int D, int kRows, int kThreads>
-HK_DEVICE void cluster_merge_empty(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
-  __syncthreads();
-  if (threadIdx.x < w.nh) {
-    ml_s[2 * threadIdx.x] = -INFINITY;
-    ml_s[2 * threadIdx.x + 1] = 0.f;
-  }
-  cluster_merge<T, D, kRows, kThreads>(p, ml_s, o_s, w);
+  // No block leaves (its shared memory) while another still reads it. This thread's reads are done
+  // (their values went into the sums above) and nothing else needs ordering: no fence.
+  cluster_sync_relaxed();
 }
 
 // The end of a block: merge kStates softmax states of its nh query heads (m_w, l_w: [kStates][kRows];
-// a_w: [kStates][kRows][D], 16-byte aligned, in shared memory) and write the output rows, or the
-// unnormalised partials and (m, l) when w.partial. m_w and l_w are overwritten (per-head weights).
-// In a merged cluster (cluster_merged; ml_s: kClusterFloats<kRows> floats of shared memory) the
-// partial stays in shared memory (a_w's first state, ml_s) for cluster_merge instead.
-template <typename T, int D, int kStates, int kRows, int kThreads>
+// a_w: [kStates][kRows][kLd] with outputs in [0, D), 16-byte aligned, in shared memory) and write the
+// output rows, or the unnormalised partials and (m, l) when w.partial. m_w and l_w are overwritten
+// (per-head weights). In a merged cluster (cluster_merged; ml_s: kClusterFloats<kRows> floats of
+// shared memory) the partial stays in shared memory (a_w's first state, ml_s) for cluster_merge
+// instead.
+template <typename T, int D, int kStates, int kRows, int kThreads, int kLd = D>
 HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const BlockWork& w,
                       float* ml_s = nullptr) {
-  static_assert(D % 4 == 0 && (2 * kStates * kRows) % 4 == 0, "16-byte rows of a_w");
+  static_assert(D % 4 == 0 && kLd % 4 == 0 && (2 * kStates * kRows) % 4 == 0, "16-byte rows of a_w");
   const bool in_cluster = ml_s != nullptr && cluster_merged(p, w);
   if (threadIdx.x < w.nh) {  // per head: each state's weight (into m_w), and the output scale (l_w[h])
     const int h = threadIdx.x;
@@ -278,7 +273,7 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
 #pragma unroll
     for (int s = 0; s < kStates; ++s) {
       const float c = m_w[s * kRows + h];
-      const float4 a = *reinterpret_cast<const float4*>(a_w + (s * kRows + h) * D + d);
+      const float4 a = *reinterpret_cast<const float4*>(a_w + (s * kRows + h) * kLd + d);
       o[0] += a.x * c;
       o[1] += a.y * c;
       o[2] += a.z * c;
@@ -288,14 +283,14 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
 #pragma unroll
     for (int j = 0; j < kV; ++j) o[j] *= f;
     if (in_cluster) {  // in place: this thread alone reads and writes these 4 columns of head h
-      *reinterpret_cast<float4*>(a_w + h * D + d) = make_float4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<float4*>(a_w + h * kLd + d) = make_float4(o[0], o[1], o[2], o[3]);
     } else if (w.partial) {
       *reinterpret_cast<float4*>(p.part_o + partial_row(p, w, h) * D + d) = make_float4(o[0], o[1], o[2], o[3]);
     } else {
       store_from_float<T, kV>(static_cast<T*>(p.out) + ((int64_t)w.seq * p.num_q_heads + w.head0 + h) * D + d, o);
     }
   }
-  if (in_cluster) cluster_merge<T, D, kRows, kThreads>(p, ml_s, a_w, w);
+  if (in_cluster) cluster_merge<T, D, kRows, kThreads, kLd>(p, ml_s, a_w, w);
 }
 
 // Combine the partials of each (sequence, head) that has several: grid (ceil(num_q_heads / kHeadsM),

@@ -61,7 +61,8 @@ struct Cfg {
   static constexpr int kScratch = kWg ? 0 : kWaves * MT::M * MT::K * (int)sizeof(T);
   static constexpr int kStage = kTile * kLd * (int)sizeof(T);  // one K or V tile
   static constexpr int kPipe = 2 * kStages * kStage;
-  static constexpr int kMerge = WN * kRows * (2 + D) * 4;
+  static constexpr int kLdA = merge_ld<D>();  // merge area row stride, floats
+  static constexpr int kMerge = WN * kRows * (2 + kLdA) * 4;
   static constexpr int kOffsets = 2 * kTile * 8;
   static constexpr int kFlags = kStages * kTile;
   static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kOffsets + kFlags;
@@ -121,11 +122,12 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   // merge's per-head states and weights where the query rows were.
   float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
   float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
-  float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][D]
+  float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][kLdA]
   float* ml_s = reinterpret_cast<float*>(smem_raw);
-  if (work.skip) {
+  // A skipped block (an empty partition) leaves, unless it is one of a merged cluster: it then runs no
+  // tile and joins the merge with an empty state (the same code path, not a second copy of the merge).
+  if (work.skip && !cluster_merged(p, work)) {
     async_copy_wait();
-    if (cluster_merged(p, work)) cluster_merge_empty<T, D, C::kRows, C::kThreads>(p, ml_s, a_w, work);
     return;
   }
   if (!q_async) {
@@ -137,7 +139,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 
   const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
   const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
-  const int ntiles = (end - start + C::kTile - 1) / C::kTile;
+  const int ntiles = work.skip ? 0 : (end - start + C::kTile - 1) / C::kTile;
   // Cache offset of row threadIdx.x (< kTile) of a tile, or -1 (masked: past the end, invalid block).
   auto row_offset = [&](int tile) -> int64_t {
     const int t = start + tile * C::kTile + (int)threadIdx.x;
@@ -315,18 +317,18 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   // Merge the WN states of each head tile.
   async_copy_wait();
   __syncthreads();
+  const int row0 = wn * C::kRows + wm * MT::M;
 #pragma unroll
   for (int i = 0; i < MT::kC; ++i) {
-    const int row = wn * C::kRows + wm * MT::M + MT::c_row(i);
     if (MT::c_col(i) == 0) {
-      m_w[row] = m[MT::row_slot(i)];
-      l_w[row] = l[MT::row_slot(i)];
+      m_w[row0 + MT::c_row(i)] = m[MT::row_slot(i)];
+      l_w[row0 + MT::c_row(i)] = l[MT::row_slot(i)];
     }
-#pragma unroll
-    for (int n = 0; n < kND; ++n) a_w[row * D + n * MT::N + MT::c_col(i)] = o[n][i];
   }
+#pragma unroll
+  for (int n = 0; n < kND; ++n) MT::store_c(a_w + row0 * C::kLdA + n * MT::N, C::kLdA, o[n]);
   __syncthreads();
-  finish<T, D, C::WN, C::kRows, C::kThreads>(p, m_w, l_w, a_w, work, ml_s);
+  finish<T, D, C::WN, C::kRows, C::kThreads, C::kLdA>(p, m_w, l_w, a_w, work, ml_s);
 }
 
 template <typename T, int D, int WM, bool kSmall>

@@ -10,6 +10,7 @@
 //   mma(c, a, b)           c += a * b
 //   c_row(i), c_col(i)     where the lane's accumulator element i sits in C
 //   row_slot(i)            which of the lane's kRowSlots distinct rows element i belongs to
+//   store_c(s, ld, c)      the tile C into shared memory, row-major floats, row stride ld (even)
 //   kRowLanes              the aligned group of lanes that together hold one row of C
 //   a_from_c(a, c, tmp)    the A operand [M x 16] made of the accumulator tiles c[0 .. 16 / N),
 //                          rounded to T (flash attention's P); tmp: M x K elements of this wave's
@@ -72,6 +73,14 @@ struct MmaTile {
   static HK_DEVICE int c_row(int i) { return lane_id() / 4 + 8 * (i / 2); }
   static HK_DEVICE int c_col(int i) { return 2 * (lane_id() % 4) + i % 2; }
   static HK_DEVICE int row_slot(int i) { return i / 2; }
+  // Each row's two adjacent columns as one 8-byte store; with ld = 8 (mod 32) the warp's 8 rows fill
+  // all 32 banks twice (no conflict beyond the two wavefronts 256 bytes need).
+  static HK_DEVICE void store_c(float* s, int ld, const C& c) {
+    const int l = lane_id();
+    float* r = s + (l / 4) * ld + 2 * (l % 4);
+    *reinterpret_cast<float2*>(r) = make_float2(c[0], c[1]);
+    *reinterpret_cast<float2*>(r + 8 * ld) = make_float2(c[2], c[3]);
+  }
 
   static HK_DEVICE void load_a(A& a, const T* s, int ld) {  // matrices (rows 0-7|8-15) x (k 0-7|8-15)
     const int l = lane_id();
@@ -163,6 +172,10 @@ struct MmaTile {
   static HK_DEVICE int c_row(int i) { return 4 * (lane_id() / 16) + i; }
   static HK_DEVICE int c_col(int) { return lane_id() % 16; }
   static HK_DEVICE int row_slot(int i) { return i; }
+  static HK_DEVICE void store_c(float* s, int ld, const C& c) {
+#pragma unroll
+    for (int i = 0; i < kC; ++i) s[c_row(i) * ld + c_col(i)] = c[i];
+  }
 
   static HK_DEVICE void load_a(A& a, const T* s, int ld) {
     const int l = lane_id();

@@ -232,8 +232,17 @@ HK_DEVICE void cluster_sync() {
 #endif
 }
 
+// The same barrier without the memory ordering (no fence: cluster_sync's release costs a GPU-scope
+// memory barrier, which waits for every earlier global store): for "no block leaves while another
+// still reads its shared memory", once every value this thread read from the others has been used.
+HK_DEVICE void cluster_sync_relaxed() {
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
 // The address of this block's shared-memory location p in the block of cluster rank `rank`, for
-// cluster_load / cluster_load4 (p 16-byte aligned for the latter).
+// cluster_load2 / cluster_load4 (p 8- / 16-byte aligned).
 HK_DEVICE uint32_t cluster_map(const void* p, int rank) {
   uint32_t r = 0;
 #if defined(HK_CLUSTER_DEVICE)
@@ -244,10 +253,10 @@ HK_DEVICE uint32_t cluster_map(const void* p, int rank) {
 #endif
   return r;
 }
-HK_DEVICE float cluster_load(uint32_t a) {
-  float v = 0.f;
+HK_DEVICE float2 cluster_load2(uint32_t a) {
+  float2 v = make_float2(0.f, 0.f);
 #if defined(HK_CLUSTER_DEVICE)
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a));
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a));
 #else
   (void)a;
 #endif
