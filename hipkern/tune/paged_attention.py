@@ -32,10 +32,10 @@ PARAM_GRID = {
     "v9": {"partition_size": [128, 256, 1024, 2048, 4096, 8192]},
     "v16": {"partition_size": [256, 512, 2048, 4096, 8192, 65536]},
     "v5": {"blocks_per_slot": [2, 3], "partition_size": [64, 256, 512]},
-    "v6": {"partition_size": [64, 256, 512, 2048, 65536]},
+    "v6": {"partition_size": [32, 64, 128, 256, 512, 2048, 65536]},
 }
 # Parameter combinations tried as well (GQA groups above 16: the group split over blocks, small splits).
-COMBOS = {"v16": [{"heads_per_block": h, "partition_size": p} for h in (16, 32) for p in (64, 128, 256, 512)]}
+COMBOS = {"v16": [{"heads_per_block": h, "partition_size": p} for h in (16, 32, 64) for p in (64, 128, 256, 512)]}
 FILL_BLOCKS_PER_SM = 64
 POOL_MAX_BYTES = 8 << 30  # K and V together; also at most a quarter of the GPU's memory
 POOL_MIN_BYTES = 1 << 30
