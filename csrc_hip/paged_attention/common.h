@@ -183,9 +183,9 @@ template <int kRows> constexpr int kClusterFloats = 2 * kRows;
 // empty partition) and o_s[h * kLd ..][0..D) its output relative to m. Every block then writes its
 // 1 / cluster share of the (head, 4 columns) outputs, each thread reading every state's (m, l) and
 // columns through distributed shared memory at once (one round trip): no partial leaves the SMs and
-// no merge kernel runs. All threads of every block of the cluster call it. The loops stay small: at
-// the smallest shapes a block runs this code once, cold, and its instruction fetches cost more than
-// the loads.
+// no merge kernel runs. All threads of every block of the cluster call it. One output at a time per
+// thread: two at once (twice the DSMEM loads in flight) measured 1.7 us slower at 1 x 256 x 64:1
+// (NOTES.md, session 2026-11-24 (6)).
 template <typename T, int D, int kRows, int kThreads, int kLd>
 HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
   const int n = p.cluster;
