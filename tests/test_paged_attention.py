@@ -228,13 +228,14 @@ def test_group_split_over_blocks(heads_per_block, head_size):
 def test_split_merged_in_clusters(variant, heads_per_block, head_size):
     """Uniform splits of 2..8 partitions of 64 tokens, merged inside thread-block clusters where the GPU
     has them (sm_90: asserted), else by the merge kernel: full, partly empty (skipped blocks in a
-    cluster), single-partition (unmerged) and empty contexts in one batch, every block kind."""
+    cluster), single-partition (unmerged) and empty contexts in one batch, every block kind; 16- and
+    32-head blocks on a group that also leaves a partly filled block (8 heads)."""
     from hipkern.ops._common import module_for
     from hipkern.ops.paged_attention import merges_in_clusters
     from hipkern.tune.core import Candidate
     from hipkern.tune.paged_attention import pinned
 
-    group, kv_heads = (64, 1) if heads_per_block > 16 else (16, 1)
+    group, kv_heads = {16: 24, 32: 40, 64: 64}[heads_per_block], 1
     mod = module_for("paged_attention", torch.cuda.current_device(), dtype="bfloat16", head_size=head_size)
     clusters = torch.cuda.get_device_capability()[0] == 9
     pin = {"heads_per_block": heads_per_block} if variant == "v16" else {}
@@ -245,7 +246,7 @@ def test_split_merged_in_clusters(variant, heads_per_block, head_size):
         case = make_case(lens, num_kv_heads=kv_heads, group=group, head_size=head_size, extra_blocks=0,
                          seed=parts + head_size)
         assert case[3].shape[1] * 16 == n  # the block table addresses exactly `parts` partitions
-        blocks = len(lens) * kv_heads * (group // heads_per_block) * parts
+        blocks = len(lens) * kv_heads * -(-group // heads_per_block) * parts
         kernel = "mma_small" if variant == "v6" else "mma"
         used.append(merges_in_clusters(mod, kernel, heads_per_block, parts, blocks, case[0].get_device()))
         with pinned(Candidate.of(variant, partition_size=64, **pin)):
