@@ -8,8 +8,9 @@
 // live): ~1.8 SM cycles per load over the 4 schedulers, so figures near 2 (every LDS.32 / LDS.64
 // pattern) are that floor, not the pipe's. H100 (2026-11-24): LDS.128 4.13 cycles for 32 distinct
 // addresses; 2.68 whenever every lane shares its address with lane n ^ 1, or every lane with lane
-// n ^ 2 (broadcast, pairs, quads, halves); 4.0-4.1 otherwise, even with 2 distinct addresses in
-// alternating lanes.
+// n ^ 2 (broadcast, pairs, quads, halves); 4.1 when lanes share addresses only across quarters of
+// the warp (n ^ 8, n ^ 16), even 8 addresses in 128 bytes. (The alternating pattern's two addresses
+// 256 bytes apart also share banks: its 4.0 does not separate the two causes.)
 //   nvcc -std=c++17 -O3 -arch=sm_90 -o /tmp/lds_patterns csrc_hip/fused_moe/experiments/lds_patterns.cu && /tmp/lds_patterns
 #include <cstdio>
 
@@ -42,7 +43,7 @@ __device__ int slot(int p, int lane) {
     case 6: return lane >> 4;                     // 2 addresses (halves)
     case 7: return lane & 15;                     // pairs (n, n ^ 16)
     case 8: return lane & 7;                      // 8 addresses, lanes n, n ^ 8, n ^ 16, n ^ 24
-    default: return (lane & 1) * 16;              // 2 addresses, alternating lanes
+    default: return (lane & 1) * 16;              // 2 addresses, alternating lanes (same banks)
   }
 }
 
