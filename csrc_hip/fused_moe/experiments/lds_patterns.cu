@@ -17,7 +17,7 @@
 constexpr int kWarps = 8, kIters = 64, kUnroll = 16, kSlots = 1024;  // slots of 16 bytes
 
 template <int kBytes>
-__device__ __forceinline__ void lds(unsigned addr, float4& acc) {
+__device__ __forceinline__ void lds(unsigned addr, float& acc) {
   float a, b, c, d;
   if (kBytes == 16) {
     asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(a), "=f"(b), "=f"(c), "=f"(d) : "r"(addr));
@@ -28,7 +28,7 @@ __device__ __forceinline__ void lds(unsigned addr, float4& acc) {
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(a) : "r"(addr));
     b = c = d = 0.f;
   }
-  acc.x += a + b + c + d;  // 16 and 8 bytes: the other adds are the same for every pattern
+  acc += a + b + c + d;  // the same adds for every pattern of a width
 }
 
 // slot(lane): the 16-byte slot a lane reads (pattern p); kBytes-wide loads read its start.
@@ -56,7 +56,7 @@ __global__ void kernel(int p, long long* cycles, float* sink) {
   // Each warp and iteration moves to another 512-byte row group (same bank pattern); a lane reads
   // kBytes at kBytes * slot.
   const unsigned base = (unsigned)__cvta_generic_to_shared(buf) + (unsigned)kBytes * slot(p, lane);
-  float4 acc = make_float4(0, 0, 0, 0);
+  float acc = 0.f;
   __syncthreads();
   const long long t0 = clock64();
   for (int it = 0; it < kIters; ++it)
@@ -65,7 +65,7 @@ __global__ void kernel(int p, long long* cycles, float* sink) {
   __syncthreads();
   const long long t1 = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
-  if (acc.x + acc.y + acc.z + acc.w == -1.f) sink[threadIdx.x] = acc.x;
+  if (acc == -1.f) sink[threadIdx.x] = acc;  // keeps the loads' results live
 }
 
 template <int kBytes>
