@@ -174,12 +174,14 @@ def test_weights_over_2_pow_31_elements_read_at_the_far_end():
         w2[x].normal_(0.0, i ** -0.5, generator=g)
     ids = torch.tensor([[e - 1, e - 2], [e - 1, 0], [1, e - 1], [e - 2, 1], [0, e - 1]], dtype=torch.int32,
                        device="cuda")
-    run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), ids)
     emap = torch.full((2 * e,), -1, dtype=torch.int32, device="cuda")
     emap[2 * e - 1], emap[3] = e - 1, e - 2  # global 2E-1 -> the last local expert
-    run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2),
-                  torch.tensor([[2 * e - 1, 3], [3, 5], [2 * e - 1, 0], [9, 11], [3, 2 * e - 1]], dtype=torch.int32,
-                               device="cuda"), expert_map=emap)
+    mapped = torch.tensor([[2 * e - 1, 3], [3, 5], [2 * e - 1, 0], [9, 11], [3, 2 * e - 1]], dtype=torch.int32,
+                          device="cuda")
+    for variant in (None, "gemv"):
+        run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), ids, variant=variant)
+        run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), mapped, expert_map=emap,
+                      variant=variant)
 
 
 @pytest.mark.gpu
@@ -287,17 +289,12 @@ def test_duplicate_ids_in_a_row_are_summed(dtype):
     run_and_check(x, w1l, w2l, w, ids, expert_map=emap)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_m", [8, 16, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_variant(dtype, block_m):
-    """The one-launch decode variant (routing in every block, a grid barrier before the combine) and
-    the grouped chain on the same inputs, up to its 32 pairs: one token at top-8, pairs piled onto one
-    expert (several m-blocks), repeated ids, remote and all-remote experts, a long reduction (split
-    K), one pair. Consecutive calls with new routing check that its counters are left at zero."""
+def check_few_pairs(dtype, variant, block_m=None):
+    """`variant` and the grouped chain on the same inputs, up to 32 pairs: one token at top-8, pairs
+    piled onto one expert, repeated ids, remote and all-remote experts, one pair."""
     e = 64
-    w1, w2 = make_weights(e, **ODD, dtype=dtype, seed=block_m)
-    emap, w1l, w2l, remote = half_remote(e, w1, w2, seed=block_m)
+    w1, w2 = make_weights(e, **ODD, dtype=dtype, seed=block_m or 0)
+    emap, w1l, w2l, remote = half_remote(e, w1, w2, seed=block_m or 0)
     cases = [
         (1, uniform_ids(1, 8, e, 1), None),
         (4, uniform_ids(4, 8, e, 2), None),
@@ -311,11 +308,22 @@ def test_decode_variant(dtype, block_m):
     for t, ids, m in cases:
         x, w = make_tokens(t, ODD["d"], dtype, t), routing_weights(t, ids.shape[1], t)
         a, b = (w1, w2) if m is None else (w1l, w2l)
-        got = run_and_check(x, a, b, w, ids, expert_map=m, block_m=block_m, variant="decode")
+        got = run_and_check(x, a, b, w, ids, expert_map=m, block_m=block_m, variant=variant)
         grouped = run_and_check(x, a, b, w, ids, expert_map=m, block_m=block_m, variant="grouped")
-        assert checkAllclose(got, grouped, msg="decode vs grouped ", **TOL[dtype]) == 0
+        assert checkAllclose(got, grouped, msg=f"{variant} vs grouped ", **TOL[dtype]) == 0
         if m is not None and t == 2:
             assert (got == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [8, 16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_variant(dtype, block_m):
+    """The one-launch decode variant (routing in every block, a grid barrier before the combine) and
+    the grouped chain on the same inputs, up to its 32 pairs: one token at top-8, pairs piled onto one
+    expert (several m-blocks), repeated ids, remote and all-remote experts, a long reduction (split
+    K), one pair. Consecutive calls with new routing check that its counters are left at zero."""
+    check_few_pairs(dtype, "decode", block_m)
     t, d, i = 2, 4096, 256  # few items over a long reduction: the gated GEMM splits K
     x, w1, w2, w, ids = make_case(t, d, i, 8, 2, dtype, seed=3)
     first = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="decode")
@@ -324,15 +332,16 @@ def test_decode_variant(dtype, block_m):
 
 
 @pytest.mark.gpu
-def test_decode_variant_under_graph_capture():
+@pytest.mark.parametrize("variant", ["decode", "gemv"])
+def test_few_pair_variants_under_graph_capture(variant):
     t, e, k = 4, 64, 8
     x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=torch.bfloat16)
     out = torch.empty_like(x)
-    hipkern.fused_moe(x, w1, w2, w, ids, out=out, variant="decode")
+    hipkern.fused_moe(x, w1, w2, w, ids, out=out, variant=variant)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        hipkern.fused_moe(x, w1, w2, w, ids, out=out, variant="decode")
+        hipkern.fused_moe(x, w1, w2, w, ids, out=out, variant=variant)
     for seed in range(1, 4):
         x.copy_(make_tokens(t, SMALL["d"], torch.bfloat16, seed))
         w.copy_(routing_weights(t, k, seed))
@@ -340,8 +349,46 @@ def test_decode_variant_under_graph_capture():
         poison(out)
         g.replay()
         torch.cuda.synchronize()
-        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"decode replay {seed} ",
+        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"{variant} replay {seed} ",
                              **TOL[torch.bfloat16]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_variant(dtype):
+    """The matrix-vector variant (a block per gated row and pair; a wave per output element summing
+    its token's slots): the few-pair cases of the decode test, then the edges of its loops: model dims
+    whose chunks do not fill the block's threads (200, 8 / 4 chunks of 16 bytes short of one per
+    thread) or need a second pass (8704), inter dims shorter than a wave (72) or spanning several load
+    batches with a partial one (2176, over slots 9 at a time), top-32 (a slot per lane of a full
+    wave), ids out of range (dropped), the 32-pair limit, and bitwise repeats."""
+    check_few_pairs(dtype, "gemv")
+    for t, d, i, e, k in ((1, 8704, 72, 16, 8), (3, 128, 2176, 16, 9), (1, 200, 2176, 64, 32), (32, 256, 128, 8, 1),
+                          (2, 7168, 256, 16, 8)):
+        x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=t * 100 + k)
+        if k == 9:  # ids out of range are dropped without validate: as pairs of weight 0
+            kept_ids, kept_w = ids.clone(), w.clone()
+            ids[1, 2], ids[2, 0] = e, -1
+            kept_w[1, 2] = kept_w[2, 0] = 0.0
+            res = hipkern.fused_moe(x, w1, w2, w, ids, out=poison(torch.empty_like(x)), variant="gemv")
+            assert checkAllclose(res, reference(x, w1, w2, kept_w, kept_ids), msg="gemv, dropped ids ",
+                                 **TOL[dtype]) == 0
+        else:
+            res = run_and_check(x, w1, w2, w, ids, variant="gemv")
+        grouped = hipkern.fused_moe(x, w1, w2, w, ids, variant="grouped")
+        assert checkAllclose(res, grouped, msg="gemv vs grouped ", **TOL[dtype]) == 0
+        for _ in range(3):
+            assert torch.equal(hipkern.fused_moe(x, w1, w2, w, ids, variant="gemv"), res), "not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,i,e,k", LARGE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_variant_large_shapes(dtype, d, i, e, k):
+    w1, w2 = make_weights(e, d, i, dtype, seed=d)
+    for t in (1, 32 // k):
+        x, w, ids = make_tokens(t, d, dtype, t), routing_weights(t, k, t), uniform_ids(t, k, e, t)
+        run_and_check(x, w1, w2, w, ids, variant="gemv")
 
 
 @pytest.mark.gpu
@@ -519,6 +566,7 @@ BAD = [
     ({}, dict(variant="v1"), "variant"),
     ({}, dict(variant=1), "variant"),
     (_cpu_case(t=9, k=4), dict(variant="decode"), "variant='decode' takes at most 32"),
+    (_cpu_case(t=11, k=3), dict(variant="gemv"), "variant='gemv' takes at most 32"),
     ({}, dict(variant="decode", block_m=128), "variant='decode' takes block_m up to 64"),
     ({}, dict(expert_map=torch.zeros(4, dtype=torch.int64)), "expert_map"),
     ({}, dict(expert_map=torch.zeros(4)), "expert_map"),

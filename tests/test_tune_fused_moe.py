@@ -34,23 +34,27 @@ def test_candidates_are_every_block_m_of_the_dtype_heuristic_first(dtype):
     s = ADAPTER.parse_shape({**RAW, "dtype": dtype})
     kept = ADAPTER.candidates(s, ADAPTER.info_for("sm_90", 132)).kept
     assert kept[0] == ADAPTER.heuristic(s)
-    assert sorted(c.kwargs["block_m"] for c in kept) == sorted(block_ms_for(getattr(torch, dtype)))
+    assert sorted(c.kwargs["block_m"] for c in kept) == sorted(block_ms_for(getattr(torch, dtype)))  # 32 tokens
     assert len({c.name for c in kept}) == len(kept)
     assert (128 in [c.kwargs["block_m"] for c in kept]) == (dtype != "float32")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("tokens,decode", [("1", True), ("4", True), ("5", False)])  # top-8: 8, 32, 40 pairs
-def test_few_pairs_add_the_decode_variant_at_each_block_m_it_takes(dtype, tokens, decode):
-    s = ADAPTER.parse_shape({**RAW, "dtype": dtype, "tokens": tokens})
+@pytest.mark.parametrize("experts", ["256", "16"])
+@pytest.mark.parametrize("tokens,few", [("1", True), ("4", True), ("5", False)])  # top-8: 8, 32, 40 pairs
+def test_few_pairs_add_the_decode_and_gemv_variants(dtype, experts, tokens, few):
+    s = ADAPTER.parse_shape({**RAW, "dtype": dtype, "tokens": tokens, "num_experts": experts})
     kept = ADAPTER.candidates(s, ADAPTER.info_for("sm_90", 132)).kept
     assert kept[0] == ADAPTER.heuristic(s)
-    # the heuristic is what the op runs without a row: decode for 16-bit types where it fits
-    assert kept[0].variant == ("decode" if decode and dtype != "float32" else "grouped")
+    # the heuristic is what the op runs without a row: gemv where the pairs are at most half the
+    # experts, else decode for 16-bit types where it fits
+    gemv = few and 2 * int(tokens) * 8 <= int(experts)
+    assert kept[0].variant == ("gemv" if gemv else "decode" if few and dtype != "float32" else "grouped")
     by_variant = {v: sorted(c.kwargs["block_m"] for c in kept if c.variant == v) for v in VARIANTS}
     assert by_variant["grouped"] == sorted(block_ms_for(getattr(torch, dtype)))
     assert by_variant["decode"] == ([b for b in sorted(block_ms_for(getattr(torch, dtype))) if b <= DECODE_MAX_BLOCK_M]
-                                    if decode else [])
+                                    if few else [])
+    assert by_variant["gemv"] == ([8] if few else [])
 
 
 def test_shipped_shape_list_plans_without_a_gpu(capsys):
@@ -103,7 +107,7 @@ def test_tuning_run_writes_checked_rows(tmp_path):
     rows = list(csv.DictReader(open(out, newline="")))
     assert len(rows) == 1 and rows[0]["variant"] in VARIANTS and int(rows[0]["block_m"]) in BLOCK_MS
     log = list(csv.DictReader(open(tmp_path / "fused_moe.candidates.csv", newline="")))
-    # 8 tokens x top-2: 16 pairs, so decode too at every block_m up to DECODE_MAX_BLOCK_M
+    # 8 tokens x top-2: 16 pairs, so decode too at every block_m up to DECODE_MAX_BLOCK_M, and gemv
     decode = [b for b in BLOCK_MS if b <= DECODE_MAX_BLOCK_M]
-    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS) + len(decode)
+    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS) + len(decode) + 1
     assert sorted(int(r["block_m"]) for r in log if r["variant"] == "decode") == decode

@@ -6,11 +6,14 @@
 //   combine_kernel      out[t] = sum over t's routed pairs of y, in slot order (deterministic: no
 //                       float atomics anywhere)
 // Variant "decode" (decode.h): the same work, routing and combine included, in one launch.
+// Variant "gemv" (gemv.h): for a few pairs, matrix-vector products streaming the weights into
+// registers, the combine in the down kernel; two launches, no sorting.
 // gemm.h has the work plan and pipeline, math.h the arithmetic: matrix cores for fp16/bf16, FMAs
 // for fp32. One module per (dtype, block_m).
 #include <type_traits>
 
 #include "decode.h"
+#include "gemv.h"
 
 #ifndef HK_DTYPE
 #error "build with -DHK_DTYPE=<hk::DType> and -DHK_BLOCK_M=<8|16|32|64|128>"
@@ -110,8 +113,10 @@ HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_
 
 // Variants: kGrouped, the chain moe_sorting (its own module, called first) -> gated GEMM -> down
 // GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
-// kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; it reads no sorting output.
-enum Variant { kGrouped = 0, kDecode = 1 };
+// kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; kGemv, two matrix-vector launches
+// (gemv.h) for at most kGemvPairs pairs, any block_m. kDecode and kGemv read no sorting output;
+// kGemv uses neither y nor the workspace (they may be null).
+enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2 };
 
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
 // E_global experts; expert_map [E_global] or null), sorted_ids [max_padded] / expert_ids
@@ -130,13 +135,19 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   HK_REQUIRE(num_experts >= 1 && num_local_experts >= 1);
   HK_REQUIRE(dim >= kVec && dim % kVec == 0 && inter_dim >= kVec && inter_dim % kVec == 0);
   HK_REQUIRE(activation == hk::fused_moe::kSilu || activation == hk::fused_moe::kGelu);
-  HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode));
+  HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode) || variant == kGemv);
   const bool decode = variant == kDecode;
   HK_REQUIRE(decode ? (int64_t)num_tokens * topk <= hk::fused_moe::kDecodePairs
-                    : max_padded >= 0 && max_padded % BM == 0);
+             : variant == kGemv ? (int64_t)num_tokens * topk <= hk::fused_moe::kGemvPairs
+                                : max_padded >= 0 && max_padded % BM == 0);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
   hipStream_t s = static_cast<hipStream_t>(stream);
+  if (variant == kGemv) {
+    const hk::fused_moe::GemvArgs a{x,   w1,          w2,  topk_weights, topk_ids,    expert_map, inter,
+                                    out, num_tokens, topk, num_experts,  dim,         inter_dim,  activation};
+    return hk::fused_moe::launch_gemv<T>(a, s);
+  }
   const int num_pairs = num_tokens * topk, max_mblocks = decode ? hk::fused_moe::kDecodePairs : max_padded / BM;
   constexpr int kCols1 = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCols;
   constexpr int kCols2 = hk::fused_moe::GemmCfg<T, M2, BM, false>::kCols;

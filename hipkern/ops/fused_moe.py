@@ -12,18 +12,22 @@ from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
-__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for",
-           "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m", "launch_choice"]
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "VARIANT", "VARIANTS",
+           "block_ms_for", "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m",
+           "gemv_fits", "launch_choice"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
 VARIANT = "grouped"  # moe_sorting, then the two grouped GEMMs and the combine: four launches
 # "decode": the same GEMMs with the routing and the combine in one launch, for at most
 # DECODE_MAX_PAIRS routed pairs (csrc_hip/fused_moe/decode.h).
-VARIANTS = (VARIANT, "decode")
+# "gemv": matrix-vector products streaming the weights into registers, for at most GEMV_MAX_PAIRS
+# routed pairs; two launches, no sorting; block_m only names the module (csrc_hip/fused_moe/gemv.h).
+VARIANTS = (VARIANT, "decode", "gemv")
 DECODE_MAX_PAIRS = 32
 DECODE_MAX_BLOCK_M = 64
-_VARIANT_CODES = {VARIANT: 0, "decode": 1}
+GEMV_MAX_PAIRS = 32
+_VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2}
 
 # Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
 # expert count (expert_map's length when given).
@@ -69,6 +73,11 @@ def decode_fits(num_tokens: int, topk: int, block_m: int) -> bool:
     return num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
 
 
+def gemv_fits(num_tokens: int, topk: int) -> bool:
+    """Whether the gemv variant can run this call: at most GEMV_MAX_PAIRS routed pairs."""
+    return num_tokens * topk <= GEMV_MAX_PAIRS
+
+
 def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
                   topk: int, dtype) -> tuple:
     """(variant, block_m) for variant=None and block_m=None: the tuning database's row for this shape
@@ -81,8 +90,10 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
     bm = choice.params.get("block_m") if choice else None
     if bm not in block_ms_for(dtype):
         bm = default_block_m(num_tokens, topk, num_experts, dtype)
-        return choose_variant(num_tokens, topk, dtype, bm), bm
+        return choose_variant(num_tokens, topk, dtype, bm, num_experts), bm
     if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
+        return VARIANT, bm
+    if choice.variant == "gemv" and not gemv_fits(num_tokens, topk):
         return VARIANT, bm
     return choice.variant, bm
 
@@ -93,11 +104,16 @@ def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_di
     return choose_config(arch, cu_count, num_tokens, dim, inter_dim, num_experts, topk, dtype)[1]
 
 
-def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: int = 8) -> str:
-    """The variant for variant=None without a database row (or with block_m given): "decode" (one
-    launch) for 16-bit types where it fits (decode_fits), else "grouped". Measured on the H100
-    (csrc_hip/fused_moe/NOTES.md): 1 token x top-8 of 256 experts, 49.5 us against 57.3; float32 is
-    faster grouped (107 against 120)."""
+def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: int = 8,
+                   num_experts: int | None = None) -> str:
+    """The variant for variant=None without a database row (or with block_m given). Measured on the
+    H100 (csrc_hip/fused_moe/NOTES.md): "gemv" where it fits and the pairs are at most half the
+    experts (most experts then get one pair: 1 token x top-8 of 256, 37 us against decode's 46; but 8
+    tokens x top-2 of 8, 1770 against 875); else "decode" for 16-bit types where it fits (decode_fits),
+    else "grouped" (float32 was faster grouped than decode: 107 against 120 us). Without num_experts
+    (launch_choice when the caller gives block_m, a parameter of the tiled GEMMs) never "gemv"."""
+    if gemv_fits(num_tokens, topk) and num_experts is not None and 2 * num_tokens * topk <= num_experts:
+        return "gemv"
     return "decode" if decode_fits(num_tokens, topk, block_m) and dtype != torch.float32 else VARIANT
 
 
@@ -155,6 +171,9 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
                              f"{num_tokens} x {topk}; use variant='grouped' or None")
         if variant == "decode" and block_m is not None and block_m > DECODE_MAX_BLOCK_M:
             raise ValueError(f"variant='decode' takes block_m up to {DECODE_MAX_BLOCK_M}, got {block_m}")
+        if variant == "gemv" and not gemv_fits(num_tokens, topk):
+            raise ValueError(f"variant='gemv' takes at most {GEMV_MAX_PAIRS} routed pairs (tokens x topk), got "
+                             f"{num_tokens} x {topk}; use variant='grouped' or None")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), gpu=False)
         num_experts = expert_map.shape[0]
@@ -217,6 +236,10 @@ def _workspace(mod, dev: int, device: torch.device):
     return partials, counters
 
 
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
 def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant,
                  out) -> None:
     num_tokens, dim = hidden_states.shape
@@ -224,7 +247,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     e_local, inter = w1.shape[0], w1.shape[1] // 2
     num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
-    if variant == "decode":  # routes in its own kernel
+    if variant != VARIANT:  # routes in its own kernels
         sorting = (None, None, None)
         max_padded = 0
     else:
@@ -233,13 +256,16 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         sorting = (sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr())
         max_padded = sorted_ids.numel()
     ws = torch.empty((num_tokens * topk, inter), dtype=hidden_states.dtype, device=hidden_states.device)
-    y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
     mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
-    partials, counters = _workspace(mod, dev, hidden_states.device)
+    if variant == "gemv":  # sums in registers: no y, no split-K workspace
+        y = partials = counters = None
+    else:
+        y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
+        partials, counters = _workspace(mod, dev, hidden_states.device)
     emap = None if expert_map is None else expert_map.data_ptr()
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
-                          topk_ids.data_ptr(), emap, *sorting, ws.data_ptr(), y.data_ptr(), partials.data_ptr(),
-                          counters.data_ptr(), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
+                          topk_ids.data_ptr(), emap, *sorting, ws.data_ptr(), _ptr(y), _ptr(partials),
+                          _ptr(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
                           max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:
         mod.check(rc, "fused_moe")
@@ -305,8 +331,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
             the tuning database's choice for this shape (choose_config), else default_block_m.
         variant: "grouped" (moe_sorting, two grouped GEMMs, a combine), "decode" (the same in one
-            launch; at most DECODE_MAX_PAIRS routed pairs) or None: with block_m=None the tuning
-            database's choice (choose_config), else choose_variant's.
+            launch; at most DECODE_MAX_PAIRS routed pairs), "gemv" (two matrix-vector launches that
+            stream the weights into registers; at most GEMV_MAX_PAIRS routed pairs; block_m does not
+            change it) or None: with block_m=None the tuning database's choice (choose_config), else
+            choose_variant's.
 
     Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
     before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),

@@ -1,8 +1,9 @@
 """The tuner's adapter for fused_moe (hipkern/ops/fused_moe.py): variant and block_m per shape.
 
 Candidates: every block_m the dtype offers (block_ms_for), each as "grouped" and, where it fits
-(decode_fits: few routed pairs), as "decode"; the heuristic default (default_block_m with
-choose_variant's variant, what the op runs without a row) first. Inputs: one set of expert weights
+(decode_fits: few routed pairs), as "decode"; "gemv" once where it fits (gemv_fits; block_m 8, which
+it ignores); the heuristic default (default_block_m with choose_variant's variant, what the op runs
+without a row) first. Inputs: one set of expert weights
 per (dtype, model_dim, inter_dim, num_experts), reused by that group's token counts (largest
 first); uniform routing (distinct random experts per token, as a router gives), random positive
 weights normalised per row. The weights are no argument of the timed
@@ -17,7 +18,8 @@ import contextlib
 import torch
 
 from .. import tuning_db
-from ..ops.fused_moe import VARIANT, block_ms_for, choose_variant, decode_fits, default_block_m, fused_moe
+from ..ops.fused_moe import (VARIANT, block_ms_for, choose_variant, decode_fits, default_block_m, fused_moe,
+                              gemv_fits)
 from ..ops.moe_sorting import MAX_EXPERTS
 from ..reference import fused_moe_ref
 from .core import Candidate, Pruned, arch_info, gpu_info, perftest_us
@@ -70,12 +72,15 @@ class FusedMoeTuner:
     def heuristic(self, s) -> Candidate:
         dtype = DTYPES[s["dtype"]]
         bm = default_block_m(s["tokens"], s["topk"], s["num_experts"], dtype)
-        return Candidate.of(choose_variant(s["tokens"], s["topk"], dtype, bm), block_m=bm)
+        variant = choose_variant(s["tokens"], s["topk"], dtype, bm, s["num_experts"])
+        return Candidate.of(variant, block_m=8 if variant == "gemv" else bm)
 
     def candidates(self, s, info) -> Pruned:
         first = self.heuristic(s)
         rest = [Candidate.of(v, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])
                 for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b)]
+        if gemv_fits(s["tokens"], s["topk"]):
+            rest.append(Candidate.of("gemv", block_m=8))
         return Pruned([first] + [c for c in rest if c != first])
 
     @staticmethod

@@ -196,6 +196,21 @@ HK_DEVICE void async_copy_wait_pending() {
 #endif
 }
 
+// A 16-byte global load of data read once (expert weights streamed past): on NVIDIA it bypasses
+// L1 (`ld.global.nc.L1::no_allocate`), leaving L1 to the data that is read again; elsewhere a
+// plain load. p must be 16-byte aligned and the memory unchanged while the kernel runs.
+HK_DEVICE uint4 load_once16(const void* p) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__)
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere): a kernel launched by launch_dependent()
 // (launch.h) may start while the kernel before it in the stream still runs; griddep_wait() blocks
 // until that kernel has finished and its writes are visible. A kernel may call

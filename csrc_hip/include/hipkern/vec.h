@@ -38,6 +38,15 @@ HK_DEVICE void load_as_float(const T* __restrict__ p, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = to_float(x[i]);
 }
 
+// The N elements of T held in one raw access (as load_vec reads it), widened to float.
+template <typename T, int N>
+HK_DEVICE void raw_as_float(const typename raw_vec<sizeof(T) * N>::type& r, float (&out)[N]) {
+  vec_t<T, N> x;
+  *reinterpret_cast<typename raw_vec<sizeof(T) * N>::type*>(&x) = r;
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(x.v[i]);
+}
+
 // Narrow N floats to T and store them at p (aligned to N * sizeof(T)) as one access.
 template <typename T, int N>
 HK_DEVICE void store_from_float(T* __restrict__ p, const float (&in)[N]) {
