@@ -109,7 +109,7 @@ def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: in
     """The variant for variant=None without a database row (or with block_m given). Measured on the
     H100 (csrc_hip/fused_moe/NOTES.md): "gemv" where it fits and the pairs are at most half the
     experts (most experts then get one pair: 1 token x top-8 of 256, 37 us against decode's 46; but 8
-    tokens x top-2 of 8, 1770 against 875); else "decode" for 16-bit types where it fits (decode_fits),
+    tokens x top-2 of 8, where each expert's rows are read by two pairs, 1440 against 820-875); else "decode" for 16-bit types where it fits (decode_fits),
     else "grouped" (float32 was faster grouped than decode: 107 against 120 us). Without num_experts
     (launch_choice when the caller gives block_m, a parameter of the tiled GEMMs) never "gemv"."""
     if gemv_fits(num_tokens, topk) and num_experts is not None and 2 * num_tokens * topk <= num_experts:
