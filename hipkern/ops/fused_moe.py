@@ -109,9 +109,10 @@ def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: in
     """The variant for variant=None without a database row (or with block_m given). Measured on the
     H100 (csrc_hip/fused_moe/NOTES.md): "gemv" where it fits and the pairs are at most half the
     experts (most experts then get one pair: 1 token x top-8 of 256, 37 us against decode's 46; but 8
-    tokens x top-2 of 8, where each expert's rows are read by two pairs, 1440 against 820-875); else "decode" for 16-bit types where it fits (decode_fits),
-    else "grouped" (float32 was faster grouped than decode: 107 against 120 us). Without num_experts
-    (launch_choice when the caller gives block_m, a parameter of the tiled GEMMs) never "gemv"."""
+    tokens x top-2 of 8, where each expert's rows are read by two pairs, 1440 against 820-875); else
+    "decode" for 16-bit types where it fits (decode_fits), else "grouped" (float32 was faster grouped
+    than decode: 107 against 120 us). Without num_experts (launch_choice when the caller gives
+    block_m, a parameter of the tiled GEMMs) never "gemv"."""
     if gemv_fits(num_tokens, topk) and num_experts is not None and 2 * num_tokens * topk <= num_experts:
         return "gemv"
     return "decode" if decode_fits(num_tokens, topk, block_m) and dtype != torch.float32 else VARIANT
@@ -262,9 +263,8 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     else:
         y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
         partials, counters = _workspace(mod, dev, hidden_states.device)
-    emap = None if expert_map is None else expert_map.data_ptr()
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
-                          topk_ids.data_ptr(), emap, *sorting, ws.data_ptr(), _ptr(y), _ptr(partials),
+                          topk_ids.data_ptr(), _ptr(expert_map), *sorting, ws.data_ptr(), _ptr(y), _ptr(partials),
                           _ptr(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
                           max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:

@@ -29,15 +29,6 @@ HK_DEVICE void load_vec(const T* __restrict__ p, T (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = x.v[i];
 }
 
-// Load N consecutive elements at p (which must be aligned to N * sizeof(T)) and widen to float.
-template <typename T, int N>
-HK_DEVICE void load_as_float(const T* __restrict__ p, float (&out)[N]) {
-  T x[N];
-  load_vec<T, N>(p, x);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(x[i]);
-}
-
 // The N elements of T held in one raw access (as load_vec reads it), widened to float.
 template <typename T, int N>
 HK_DEVICE void raw_as_float(const typename raw_vec<sizeof(T) * N>::type& r, float (&out)[N]) {
@@ -45,6 +36,12 @@ HK_DEVICE void raw_as_float(const typename raw_vec<sizeof(T) * N>::type& r, floa
   *reinterpret_cast<typename raw_vec<sizeof(T) * N>::type*>(&x) = r;
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(x.v[i]);
+}
+
+// Load N consecutive elements at p (which must be aligned to N * sizeof(T)) and widen to float.
+template <typename T, int N>
+HK_DEVICE void load_as_float(const T* __restrict__ p, float (&out)[N]) {
+  raw_as_float<T, N>(*reinterpret_cast<const typename raw_vec<sizeof(T) * N>::type*>(p), out);
 }
 
 // Narrow N floats to T and store them at p (aligned to N * sizeof(T)) as one access.
