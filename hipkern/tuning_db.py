@@ -4,8 +4,9 @@ Files: ``tuning/results/<arch>/<op>.csv`` shipped with hipkern (inside a wheel: 
 overlaid row by row by the user's files in ``HIPKERN_TUNING_DB=path[:path...]`` (later files win
 on the same key). Each op declares a :class:`Schema`: its shape keys that must match exactly
 (dtype, head size, layout, ...), its bucket keys (powers of two: batch, context length, tokens),
-and its variant-parameter columns. Every file also has the columns ``arch, cu_count, variant, us,
-tbps, err, date, commit``.
+its variant-parameter columns, and optionally further timings of the chosen candidate under other
+inputs (``measures``: fused_moe's ``skewed_us``, every token routed to the same experts). Every file
+also has the columns ``arch, cu_count, variant, us, tbps, err, date, commit``.
 
 Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
 
@@ -45,10 +46,13 @@ class Schema:
     param_keys: tuple  # variant parameters (int, or empty for the variant's default)
     variants: frozenset  # variant names the op has now
     param_ranges: dict = dataclasses.field(default_factory=dict)  # param -> (lo, hi), inclusive
+    # Further timings (us) of a candidate, optional in a file; the tuner weighs the first one too
+    # (hipkern/tune/core.py, prefer_default).
+    measures: tuple = ()
 
     @property
     def columns(self) -> tuple:
-        return COMMON + self.exact_keys + self.bucket_keys + self.param_keys
+        return COMMON + self.exact_keys + self.bucket_keys + self.param_keys + self.measures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +120,9 @@ class _Table:
         try:
             with open(path, newline="") as fh:
                 reader = csv.DictReader(fh)
-                # a parameter column a file lacks (written before the parameter existed) reads as empty
+                # a parameter or measure column a file lacks (written before it existed) reads as empty
                 missing = [c for c in self.schema.columns if c not in (reader.fieldnames or ())
-                           and c not in self.schema.param_keys]
+                           and c not in self.schema.param_keys + self.schema.measures]
                 if missing:
                     warnings.warn(f"hipkern tuning file {path} lacks columns {missing}; skipped", stacklevel=4)
                     return

@@ -202,6 +202,57 @@ def test_the_default_keeps_a_shape_unless_beaten_by_more_than_the_margin(fresh, 
     assert [r["variant"] + r["tile"] for r in rows_of(fresh)] == ["b2"]
 
 
+MEASURED = tuning_db.Schema(op="faketune_measured", exact_keys=("kind", "width"), bucket_keys=("batch",),
+                            param_keys=("tile",), variants=frozenset("abcde"), measures=("alt_us",))
+tuning_db.register(MEASURED)
+
+
+def test_the_first_measure_decides_among_the_candidates_within_the_margin():
+    m, w = core.DEFAULT_MARGIN, core.SECOND_WINDOW
+
+    def pick(*specs):  # (variant, us, alt_us); "a" is the default
+        rows = [dict(arch="sm_90", cu_count=132, variant=v, us=str(us), alt_us=str(alt), kind="ok", width=8,
+                     batch=1, tile="", status="ok", date="") for v, us, alt in specs]
+        return sorted(r["variant"] for r in core.prefer_default(MEASURED, rows, lambda row: "a"))
+
+    assert pick(("a", 100, 50), ("b", 99 * (1 + w / 2), 20), ("c", 99, 40)) == ["b"]  # in the window, far better on alt
+    assert pick(("a", 100, 50), ("b", 99, 50 / (1 + m / 2))) == ["a"]  # better on alt, but within the margin
+    assert pick(("a", 110, 50), ("b", 100 * (1 + 2 * w), 1), ("c", 100, 60)) == ["c"]  # b outside the window
+    assert pick(("a", 110, 10), ("c", 100, 60), ("d", 104, 30)) == ["d"]  # the default out; d beats c on alt
+    assert pick(("a", 100, 50), ("b", 104, "")) == ["a"]  # a candidate in the window not timed on alt: us decides
+    assert pick(("a", 110, 50), ("b", 100, ""), ("c", 101, 1)) == ["a", "b", "c"]  # then merge_best's lowest us
+
+
+class MeasuredBench(FakeBench):
+    def time_measures(self):  # c and d are rejected before; e raises; b[tile=2] is slow here, a fast
+        return {"alt_us": {"a": 1.0, "b": 5.0}[self.cand.variant] * (2.0 if self.cand.kwargs.get("tile") == 2 else 1.0)}
+
+
+class MeasuredTuner(FakeTuner):
+    op, schema = "faketune_measured", MEASURED
+
+    def prepare(self, s, info, device):
+        return MeasuredBench(s)
+
+
+def test_a_run_records_the_measures_and_weighs_the_first(tmp_path, monkeypatch):
+    out = tmp_path / "faketune_measured.csv"
+    tuner = MeasuredTuner()
+    # "a" (the default) within the margin of b[tile=2], and 10x faster on alt_us: a is kept
+    monkeypatch.setitem(COST, "a", 0.75 * COST["b"] * (1 + core.DEFAULT_MARGIN / 2))
+    runner.tune(tuner, shapes(("ok", 1)), out, progress=False, info={"arch": "sm_90", "cu_count": 132})
+    assert [(r["variant"], r["alt_us"]) for r in rows_of(out)] == [("a", "1.000")]
+    log = {r["variant"] + r["tile"]: r for r in rows_of(core.candidates_path(out))}
+    assert (log["b2"]["alt_us"], log["b"]["alt_us"], log["c"]["alt_us"]) == ("10.000", "5.000", "")
+    assert list(rows_of(out)[0]) == list(MEASURED.columns) and MEASURED.columns[-1] == "alt_us"
+    # a bench whose time_measures misses the column: the candidate is rejected, never chosen
+    monkeypatch.setattr(MeasuredBench, "time_measures", lambda self: {})
+    runner.tune(tuner, shapes(("ok", 2)), out, progress=False, info={"arch": "sm_90", "cu_count": 132})
+    notes = {r["note"] for r in rows_of(core.candidates_path(out)) if r["batch"] == "2" and r["variant"] in "ab"}
+    assert notes == {"time_measures gave [], not ['alt_us']"}
+    assert [r["batch"] for r in rows_of(out)] == ["1"]
+
+
 def test_skip_done_restores_missing_database_rows_and_bad_files_are_named(fresh):
     runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
     fresh.unlink()  # e.g. killed between writing the candidates file and the database

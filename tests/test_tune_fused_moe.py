@@ -110,4 +110,6 @@ def test_tuning_run_writes_checked_rows(tmp_path):
     # 8 tokens x top-2: 16 pairs, so decode too at every block_m up to DECODE_MAX_BLOCK_M, and gemv
     decode = [b for b in BLOCK_MS if b <= DECODE_MAX_BLOCK_M]
     assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS) + len(decode) + 1
+    assert all(float(r["skewed_us"]) > 0 for r in log)  # every token to the same experts, timed too
+    assert float(rows[0]["skewed_us"]) > 0
     assert sorted(int(r["block_m"]) for r in log if r["variant"] == "decode") == decode

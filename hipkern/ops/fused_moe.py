@@ -30,11 +30,12 @@ GEMV_MAX_PAIRS = 32
 _VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2}
 
 # Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
-# expert count (expert_map's length when given).
+# expert count (expert_map's length when given). skewed_us: the same call with every token routed to
+# the same experts (the tuner's second objective: hipkern/tune/fused_moe.py).
 tuning_db.register(tuning_db.Schema(
     op="fused_moe", exact_keys=("dtype", "model_dim", "inter_dim", "num_experts", "topk"),
     bucket_keys=("tokens",), param_keys=("block_m",), variants=frozenset(VARIANTS),
-    param_ranges={"block_m": (min(BLOCK_MS), max(BLOCK_MS))}))
+    param_ranges={"block_m": (min(BLOCK_MS), max(BLOCK_MS))}, measures=("skewed_us",)))
 
 
 def block_ms_for(dtype) -> tuple:

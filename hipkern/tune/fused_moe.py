@@ -10,6 +10,14 @@ weights normalised per row. The weights are no argument of the timed
 call, so run_perftest flushes L2 before each call: every call streams its activated experts from
 memory, as in a model. Bytes: the distinct activated experts' w1 + w2, plus hidden in and out.
 Checked: the first CHECK_TOKENS tokens against the float64 reference, at the tests' tolerances.
+
+Each candidate is also timed with skewed routing (`skewed_us`: every token routed to the first
+token's k experts, the issue's "all tokens to the same k experts"). The database then takes, among
+the candidates within the margin of the fastest under uniform routing, one that is faster under
+skewed routing by more than the margin (core.prefer_default): a block_m that holds an expert's
+tokens in one m-block reads its weights once however the routing piles up, at about the uniform
+cost (H100: bf16 DeepSeek-like 32 tokens, grouped/32 against grouped/8: 632 against 639 us uniform,
+75 against 141 us skewed; csrc_hip/fused_moe/NOTES.md).
 """
 from __future__ import annotations
 
@@ -101,7 +109,7 @@ class FusedMoeTuner:
     def estimate_s(self, s, cands, info) -> float:
         t = self.estimate_kernel_us(s)
         iters, warmup = self.iterations(t)
-        per_cand = (1 + warmup) * t + (2 + SLEEP) * iters * max(t + FLUSH_US, HOST_US)
+        per_cand = 2 * ((1 + warmup) * t + (2 + SLEEP) * iters * max(t + FLUSH_US, HOST_US))  # uniform, skewed
         return SHAPE_OVERHEAD_S + len(cands) * per_cand / 1e6
 
     def _expert_weights(self, s, device):
@@ -132,6 +140,7 @@ class _Bench:
         self.w1, self.w2 = w1, w2
         self.x = torch.randn((t, s["model_dim"]), generator=g, device=dev, dtype=dtype)
         self.ids = torch.rand((t, e), generator=g, device=dev).topk(k, dim=1).indices.to(torch.int32)
+        self.skewed_ids = self.ids[:1].expand(t, k).contiguous()  # every token to token 0's experts
         tw = torch.rand((t, k), generator=g, device=dev) + 0.1
         self.tw = tw / tw.sum(dim=1, keepdim=True)
         self.out = torch.empty_like(self.x)
@@ -171,6 +180,16 @@ class _Bench:
 
         return perftest_us(call, self.x, self.tw, self.ids, self.out, iters=self.iters, warmup=self.warmup,
                            max_copies=1)
+
+    def time_measures(self) -> dict:
+        """skewed_us: time_us with every token routed to the same k experts (fewer bytes: the same
+        timing budget is ample)."""
+        ids = self.ids
+        try:
+            self.ids = self.skewed_ids
+            return {"skewed_us": self.time_us()}
+        finally:
+            self.ids = ids
 
 
 ADAPTER = FusedMoeTuner()

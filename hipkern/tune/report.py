@@ -13,7 +13,8 @@ def _geomean(xs) -> float:
 
 
 def report_rows(adapter, out) -> list:
-    """One dict per database row: shape, chosen, us, tbps, default, default_us, gain, <variant>_us."""
+    """One dict per database row: shape, chosen, us, tbps, the schema's measures (the chosen row's),
+    default, default_us, gain, <variant>_us."""
     schema = adapter.schema
     db = _load(schema, out)
     if not db:
@@ -29,7 +30,9 @@ def report_rows(adapter, out) -> list:
         us, default = float(r["us"]), adapter.heuristic(shape).name
         d_us = timed(default)
         rows.append({"shape": adapter.describe(shape), "chosen": candidate_of(schema, r).name, "us": us,
-                     "tbps": float(r["tbps"]) if r.get("tbps") else math.nan, "default": default, "default_us": d_us,
+                     "tbps": float(r["tbps"]) if r.get("tbps") else math.nan,
+                     **{m: float(r[m]) if r.get(m) else None for m in schema.measures},
+                     "default": default, "default_us": d_us,
                      "gain": d_us / us if d_us else None,
                      **{f"{v}_us": timed(v) for v in sorted(schema.variants)},
                      **{f"{v}_offered": v in offered for v in sorted(schema.variants)}})
@@ -38,7 +41,7 @@ def report_rows(adapter, out) -> list:
 
 def report(adapter, out) -> str:
     rows = report_rows(adapter, out)
-    head = ["shape", "chosen", "us", "tbps", "default", "default_us", "gain"]
+    head = ["shape", "chosen", "us", "tbps", *adapter.schema.measures, "default", "default_us", "gain"]
     cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
     table = [head] + [[cell(r[c]) for c in head] for r in rows]
     widths = [max(len(t[c]) for t in table) for c in range(len(head))]
