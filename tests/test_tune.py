@@ -207,7 +207,7 @@ MEASURED = tuning_db.Schema(op="faketune_measured", exact_keys=("kind", "width")
 tuning_db.register(MEASURED)
 
 
-def test_the_first_measure_decides_among_the_candidates_within_the_margin():
+def test_the_first_measure_decides_among_the_candidates_within_the_window():
     m, w = core.DEFAULT_MARGIN, core.SECOND_WINDOW
 
     def pick(*specs):  # (variant, us, alt_us); "a" is the default
@@ -238,8 +238,9 @@ class MeasuredTuner(FakeTuner):
 def test_a_run_records_the_measures_and_weighs_the_first(tmp_path, monkeypatch):
     out = tmp_path / "faketune_measured.csv"
     tuner = MeasuredTuner()
-    # "a" (the default) within the margin of b[tile=2], and 10x faster on alt_us: a is kept
-    monkeypatch.setitem(COST, "a", 0.75 * COST["b"] * (1 + core.DEFAULT_MARGIN / 2))
+    # "a" slower than b[tile=2] by more than the margin but within the window, and 10x faster on
+    # alt_us: a takes the shape (on us alone b[tile=2] would)
+    monkeypatch.setitem(COST, "a", 0.75 * COST["b"] * (1 + (core.DEFAULT_MARGIN + core.SECOND_WINDOW) / 2))
     runner.tune(tuner, shapes(("ok", 1)), out, progress=False, info={"arch": "sm_90", "cu_count": 132})
     assert [(r["variant"], r["alt_us"]) for r in rows_of(out)] == [("a", "1.000")]
     log = {r["variant"] + r["tile"]: r for r in rows_of(core.candidates_path(out))}
