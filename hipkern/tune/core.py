@@ -287,12 +287,11 @@ def prefer_default(schema, rows, default_of) -> list:
     near = [r for r in ok if float(r["us"]) <= best * (1 + DEFAULT_MARGIN)]
     name = default_of(ok[0]) if default_of is not None else None
     default = [r for r in near if candidate_of(schema, r).name == name]
-    chosen = default or None
     second = schema.measures[0] if schema.measures else None
     window = [r for r in ok if float(r["us"]) <= best * (1 + SECOND_WINDOW)]
     if second is None or any(r.get(second) in ("", None) for r in window):
-        return chosen or rows
-    base = chosen[0] if chosen else min(near, key=lambda r: float(r["us"]))
+        return default or rows
+    base = default[0] if default else min(near, key=lambda r: float(r["us"]))
     alt = min(window, key=lambda r: float(r[second]))
     return [alt if float(alt[second]) * (1 + DEFAULT_MARGIN) < float(base[second]) else base]
 
@@ -355,9 +354,9 @@ def measure(bench, cand, measures=()) -> tuple:
             extra = {k: float(v) for k, v in bench.time_measures().items()} if measures else {}
         if set(extra) != set(measures):
             return "rejected", None, err, f"time_measures gave {sorted(extra)}, not {sorted(measures)}", False, {}
-        bad = {k: v for k, v in {"us": us, **extra}.items() if not (math.isfinite(v) and v > 0)}
-        if bad:
-            return "rejected", None, err, f"timing gave {bad}", False, {}
+        bad_times = {k: v for k, v in {"us": us, **extra}.items() if not (math.isfinite(v) and v > 0)}
+        if bad_times:
+            return "rejected", None, err, f"timing gave {bad_times}", False, {}
         return "ok", us, err, "", False, extra
     except KeyboardInterrupt:
         raise
