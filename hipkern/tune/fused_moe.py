@@ -188,4 +188,5 @@ class _Bench:
 
         return perftest_us(call, self.x, self.tw, ids, self.out, iters=self.iters, warmup=self.warmup, max_copies=1)
 
+
 ADAPTER = FusedMoeTuner()
