@@ -34,6 +34,7 @@ static_assert(BM == 8 || BM == 16 || BM == 32 || BM == 64 || BM == 128, "block_m
 // k-stages that fit, fp32 on one wave.
 using hk::fused_moe::MmaMath;
 using hk::fused_moe::SimtMath;
+using hk::fused_moe::SplitMath;
 using hk::fused_moe::WgmmaMath;
 constexpr bool kNv = hk::kAsyncCopy;
 template <typename U, int B> struct Tiles;
@@ -63,7 +64,14 @@ template <> struct Tiles<float, 16> {
   typedef SimtMath<kSimtRPL, kSimtWK, 16, 128, 4> Down;
 };
 template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64, 3> Gate, Down; };
-template <> struct Tiles<float, 64> { typedef SimtMath<1, kSimtWK, 64, 64, 3> Gate, Down; };  // 2 rows: spills
+// float32 at block_m 64 on wgmma where the build has it (SplitMath: scaled fp16 splits, three products
+// a k step, float32 accuracy; 128 rows, so that each weight byte brings fewer token bytes through L2):
+// 2x CUDA cores' speed where the arithmetic dominates (the 128-token and larger cases). At block_m 32
+// it was 5-10 % slower than SimtMath on the bandwidth-bound shapes (its per-stage splits and barrier),
+// so those keep CUDA cores / VALU, as does every target without wgmma.
+template <> struct Tiles<float, 64> {  // SimtMath: 2 rows a lane spill
+  typedef std::conditional_t<hk::kWgmma, SplitMath<2, 64, 64, 3>, SimtMath<1, kSimtWK, 64, 64, 3>> Gate, Down;
+};
 typedef typename Tiles<T, BM>::Gate M1;
 typedef typename Tiles<T, BM>::Down M2;
 constexpr bool kHasDecode = BM <= hk::fused_moe::kDecodeMaxBlockM;

@@ -131,15 +131,21 @@ struct GemmCfg {
   static constexpr int kRowStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0, "every thread keeps its chunk column");
   static constexpr int kCols = Gated ? M::kRows / 2 : M::kRows;  // output columns per item
-  // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage
+  // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage | flag
+  // | the math's scratch
   static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
   static constexpr int kX = kStages * M::kToks * M::kLd * (int)sizeof(T);
   static constexpr int kRed = M::kWK * M::kRows * M::kRedLd * 4;
-  // One synchronous stage has no copies in flight at the epilogue: the partials reuse its buffers.
-  static constexpr bool kAlias = kStages == 1 && kRed <= kW + kX;
-  static constexpr int kRedAt = kAlias ? 0 : kW + kX, kPairsAt = kAlias ? kW + kX : kW + kX + kRed;
+  // The partials reuse the math's scratch where it is large enough (free between items), or the
+  // buffers of one synchronous stage (no copies in flight at the epilogue); either way the epilogue
+  // first waits for every wave to leave step().
+  static constexpr bool kRedInScratch = kRed <= M::kScratch;
+  static constexpr bool kAlias = kRedInScratch || (kStages == 1 && kRed <= kW + kX);
+  static constexpr int kPairsAt = kAlias ? kW + kX : kW + kX + kRed;
   static constexpr int kFlagAt = kPairsAt + kStages * M::kToks * 4;
-  static constexpr int bytes = kFlagAt + 16;
+  static constexpr int kScratchAt = round_up(kFlagAt + 16, 1024);  // M's own (1024-byte aligned)
+  static constexpr int kRedAt = kRedInScratch ? kScratchAt : kAlias ? 0 : kW + kX;
+  static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kFlagAt + 16;
   static_assert(M::kToks >= BM, "token rows");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
@@ -335,11 +341,12 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     cs.advance(pl, G);
     const int* pairs = pair_s + slot * M::kToks;
     if (kc < KS)
-      M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs);
+      M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs,
+              smem_raw + C::kScratchAt);
     if (kp != pl.kss - 1) continue;
 
     // Epilogue: the waves' partials meet in shared memory (free again two barriers later).
-    if constexpr (C::kAlias) __syncthreads();  // every wave is done reading the stage
+    if constexpr (C::kAlias) __syncthreads();  // every wave is done with what the partials reuse
     M::store(acc, red);
     M::zero(acc);
     __syncthreads();

@@ -3,22 +3,27 @@
 //                                       on CDNA)
 //   WgmmaMath<T, WG, BM, BK, Stages>    fp16/bf16 on wgmma (sm_90a), WG warpgroups of 64 rows
 //   SimtMath<RPL, WK, BM, BK, Stages>   fp32 on CUDA cores / VALU (real fp32 FMAs, no TF32)
+//   SplitMath<WG, BM, BK, Stages>       fp32 on wgmma (sm_90a) through exact power-of-two scaling and
+//                                       two-term fp16 splits (float32 accuracy, no TF32)
 //
 // An item is kRows weight rows x kToks token rows; a pipeline stage (kStages deep) holds kBK of the
 // reduction dimension of both in shared memory (R rows span R * kLd elements, at() places each
 // 16-byte chunk). The kWaves waves split the rows and/or (kWK groups) the k-slices of a stage:
 //   zero(acc)                              acc = 0
-//   step(acc, w_s, x_s, pairs, num_pairs)  acc[row][tok] += W[row][k] X[tok][k] over this wave's rows
-//                                          and k-slice; token tiles whose first row is padding
-//                                          (pairs[row] >= num_pairs; valid rows are a prefix) may be
-//                                          skipped. Columns of invalid tokens may hold anything:
-//                                          they are never stored.
+//   step(acc, w_s, x_s, pairs, num_pairs, scratch)  acc[row][tok] += W[row][k] X[tok][k] over this
+//                                          wave's rows and k-slice; token tiles whose first row is
+//                                          padding (pairs[row] >= num_pairs; valid rows are a prefix)
+//                                          may be skipped. Columns of invalid tokens may hold anything:
+//                                          they are never stored. Every thread of the block calls it.
+//                                          scratch: the policy's own kScratch bytes of shared memory
+//                                          (1024-byte aligned; none where kScratch is 0)
 //   store(acc, red)                        this wave's partial sums into red[wk][row][tok]
 //                                          (row stride kRedLd), summed over wk by the epilogue
 //   at(row, chunk)                         where 16-byte chunk `chunk` of a stage row lies (elements
 //                                          from the stage's start)
 //   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
 //                                          the copies are fenced for it before the stage's barrier
+//   kScratch                               bytes of shared memory step() needs beside the stages
 #pragma once
 
 #include "hipkern/mma.h"
@@ -40,6 +45,7 @@ struct MmaMath {
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
   static constexpr bool kAsyncReads = false;
+  static constexpr int kScratch = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
 
   static HK_DEVICE int wr() { return (threadIdx.x / kWaveSize) % WR; }
@@ -56,7 +62,8 @@ struct MmaMath {
   // pairs (one ldmatrix for two tiles), up to the pair holding the last valid row: a uniform branch
   // per pair of tiles, none per mma. The second tile of the last pair may be padding (its columns
   // are never stored); tile 0 always holds a pair (an m-block in use has one).
-  static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int* pairs, int num_pairs) {
+  static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int* pairs, int num_pairs,
+                             unsigned char*) {
     constexpr int kKK = kSlice / MT::K;
     const T* w = w_s + 16 * wr() * kLd + wk() * kSlice;
     const T* x = x_s + wk() * kSlice;
@@ -111,7 +118,7 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   // All kToks token rows, padding included (zeros or stale rows whose columns are never stored): one
   // instruction shape, so that the accumulators are never touched between the fence and the wait (a
   // shape chosen at run time made ptxas serialise every wgmma).
-  static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int*, int) {
+  static HK_DEVICE void step(Acc& acc, const T* w_s, const T* x_s, const int*, int, unsigned char*) {
     constexpr int N = Base::kToks;
     const T* w = w_s + 64 * (Base::wr() / 4) * BK;  // at(64 g, 0)
     float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc.c[0][0]);
@@ -135,6 +142,7 @@ struct SimtMath {
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
   static constexpr bool kAsyncReads = false;
+  static constexpr int kScratch = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
 
   static HK_DEVICE void zero(Acc& a) {
@@ -151,7 +159,8 @@ struct SimtMath {
     acc = fmaf(w.w, x.w, acc);
   }
 
-  static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int* pairs, int num_pairs) {
+  static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int* pairs, int num_pairs,
+                             unsigned char*) {
     const int k0 = (threadIdx.x / kWaveSize) * kSlice, l = lane_id();
     bool on[kToks / 8];  // 8-token groups with a pair (the rest of the block is padding)
 #pragma unroll
@@ -183,6 +192,168 @@ struct SimtMath {
     for (int r = 0; r < RPL; ++r)
 #pragma unroll
       for (int m = 0; m < kToks; ++m) rd[(l + r * kWaveSize) * kRedLd + m] = acc.c[r][m];
+  }
+};
+
+// The power-of-two exponent k that brings a block's largest magnitude amax (>= 0) into [2^14, 2^15),
+// fp16's top binade but one (k <= 126 keeps 2^k and 2^-k normal; NaN / inf give k = -114), and 2^k.
+HK_DEVICE int fp16_scale_exp(float amax) {
+  const int k = 141 - (int)(float_to_bits(amax) >> 23);
+  return k > 126 ? 126 : k;
+}
+HK_DEVICE float pow2(int k) { return bits_to_float((uint32_t)(k + 127) << 23); }  // k in [-126, 127]
+
+// a = a0 + a1 + ra and b = b0 + b1 + rb, a0 / a1 / b0 / b1 fp16 rounded to nearest (the first rounding
+// of a float, then of its exact remainder: 22 significand bits, |ra| <= 2^-23 |a| while |a| stays
+// within fp16's normal range); p[i] packs (a_i, b_i), a_i in the low half, as mma fragments hold two
+// adjacent k.
+HK_DEVICE void split2(float a, float b, uint32_t (&p)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const half_t ha = to_half(a), hb = to_half(b);
+    p[i] = ha.bits | (uint32_t)hb.bits << 16;
+    a -= to_float(ha);
+    b -= to_float(hb);
+  }
+}
+
+// fp32 on wgmma (hipkern/wgmma.h; only where kWgmma), float32-accurate through exact scaling and
+// fp16 splits. Per stage, each weight row and each token row is scaled by a power of two (exact) that
+// brings its largest magnitude in the stage's kBK values to [2^14, 2^15), then split into two fp16
+// terms (split2); W X is then W0 X0 + W0 X1 + W1 X0 on the tensor cores (fp16 x fp16 products are
+// exact in their fp32 accumulators). What is dropped (W1 X1 and the remainders) is ~2^-22 of |W| |X|
+// per product, and values far below their row's largest lose only what is far below its products
+// (fp16 subnormals). The tensor cores' fp32 sums truncate, so a stage's products build up in fresh
+// accumulators, W0 X0 in one and the two smaller ones in another, which are then unscaled and added
+// to acc in round-to-nearest: the error grows as fp32 FMAs' does, not with the number of wgmma
+// (measured against float64: smaller than the float32 FMA path's).
+// Stages hold float rows as SimtMath's (kLd = BK + 8 floats: each warp's 8-byte A-fragment loads hit
+// every bank twice, the minimum). Warp w loads the A fragments of rows 16w .. 16w + 15 of the whole
+// stage, finds each row's largest magnitude with the 3 other lanes holding the row, and splits them
+// in registers, k step s + 1 while step s's products run; the block first scales and splits the
+// stage's token rows into two fp16 planes of 128-byte-swizzled atoms (scratch, with each token row's
+// 2^-k), which the tensor cores read as B. Warpgroup g (4 warps) owns rows 64g .. 64g + 63 against all
+// kToks token rows.
+template <int WG, int BM, int BK, int Stages>
+struct SplitMath {
+  static constexpr int kWaves = 4 * WG, kWK = 1, kRows = 64 * WG, kToks = round_up(BM, 8);
+  static constexpr int kBK = BK, kLd = kBK + 8, kRedLd = kToks + 1, kStages = Stages;
+  typedef Sw128<half_t, BK> L;
+  static constexpr int kPlane = kToks * BK;         // fp16 elements of one plane
+  static constexpr int kScaleAt = 2 * kPlane * 2;   // bytes: the token rows' 2^-k after the planes
+  // At least as large as the partials tile, which gemm.h then keeps here (between items).
+  static constexpr int kScratch = round_up(kScaleAt + kToks * 4 > kRows * kRedLd * 4 ? kScaleAt + kToks * 4
+                                                                                     : kRows * kRedLd * 4, 1024);
+  static_assert(BK == 64 && kPlane * 2 % 1024 == 0, "one 128-byte atom per token row and plane");
+  static_assert(kToks * (BK / 8) % (kWaves * kWaveSize) == 0, "every lane in every round of the token split");
+  static constexpr bool kAsyncReads = false;  // the stages are read by ordinary loads; the planes are fenced here
+  struct Acc { float c[kToks / 2]; };
+  static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
+
+  static HK_DEVICE void zero(Acc& a) {
+#pragma unroll
+    for (int i = 0; i < kToks / 2; ++i) a.c[i] = 0.f;
+  }
+
+  static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int*, int, unsigned char* scratch) {
+    half_t* planes = reinterpret_cast<half_t*>(scratch);
+    float* tscale = reinterpret_cast<float*>(scratch + kScaleAt);
+    // The token rows (padding rows too: only their own columns see them), 8 values a thread; a row's
+    // BK / 8 = 8 chunks are 8 adjacent lanes.
+    for (int i = threadIdx.x; i < kToks * (BK / 8); i += kWaves * kWaveSize) {
+      const int m = i / (BK / 8), c = i % (BK / 8);
+      const float4 u = *reinterpret_cast<const float4*>(x_s + m * kLd + 8 * c);
+      const float4 v = *reinterpret_cast<const float4*>(x_s + m * kLd + 8 * c + 4);
+      float amax = fmaxf(fmaxf(fmaxf(fabsf(u.x), fabsf(u.y)), fmaxf(fabsf(u.z), fabsf(u.w))),
+                         fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+#pragma unroll
+      for (int o = 1; o < BK / 8; o *= 2) amax = fmaxf(amax, shfl_xor(amax, o));
+      const int k = fp16_scale_exp(amax);
+      const float sc = pow2(k);
+      if (c == 0) tscale[m] = pow2(-k);
+      uint32_t q[4][2];
+      split2(u.x * sc, u.y * sc, q[0]);
+      split2(u.z * sc, u.w * sc, q[1]);
+      split2(v.x * sc, v.y * sc, q[2]);
+      split2(v.z * sc, v.w * sc, q[3]);
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+        *reinterpret_cast<uint4*>(planes + t * kPlane + L::at(m, c)) = make_uint4(q[0][t], q[1][t], q[2][t], q[3][t]);
+    }
+    fence_async_shared();
+    __syncthreads();
+
+    // This warp's A values of the whole stage (mma.h's m16n8k16 layout: q = 0..3 at row + 8 (q % 2),
+    // k + 8 (q / 2)) and its two rows' scales; the 4 lanes l / 4 hold the same two rows.
+    constexpr int kS = BK / 16;
+    const int l = lane_id();
+    const float* w = w_s + (16 * (int)(threadIdx.x / kWaveSize) + l / 4) * kLd + 2 * (l % 4);
+    float2 f[kS][4];
+    float rmax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < kS; ++s)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        f[s][q] = *reinterpret_cast<const float2*>(w + (q % 2) * 8 * kLd + (q / 2) * 8 + 16 * s);
+        rmax[q % 2] = fmaxf(rmax[q % 2], fmaxf(fabsf(f[s][q].x), fabsf(f[s][q].y)));
+      }
+    int rk[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rmax[h] = fmaxf(rmax[h], shfl_xor(rmax[h], 1));
+      rmax[h] = fmaxf(rmax[h], shfl_xor(rmax[h], 2));
+      rk[h] = fp16_scale_exp(rmax[h]);
+    }
+    const float rs[2] = {pow2(rk[0]), pow2(rk[1])};
+    auto frag = [&](uint32_t (&a)[2][4], int s) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint32_t t[2];
+        split2(f[s][q].x * rs[q % 2], f[s][q].y * rs[q % 2], t);
+        a[0][q] = t[0];
+        a[1][q] = t[1];
+      }
+    };
+    // W0 X0 into d, W0 X1 + W1 X0 into e: fresh accumulators, set by their first products (add = 0).
+    float d[kToks / 2], e[kToks / 2];
+    auto mma = [&](const uint32_t (&a)[2][4], int s) {
+      const uint64_t b0 = wgmma_desc_sw128(planes + L::k16(s), L::kSbo);
+      const uint64_t b1 = wgmma_desc_sw128(planes + kPlane + L::k16(s), L::kSbo);
+      Wgmma<half_t, kToks>::mma_rk(d, a[0], b0, s > 0);
+      Wgmma<half_t, kToks>::mma_rk(e, a[0], b1, s > 0);
+      Wgmma<half_t, kToks>::mma_rk(e, a[1], b0);
+    };
+    uint32_t a[2][2][4];  // k step s + 1's fragments are split while step s's products run
+    frag(a[0], 0);
+#pragma unroll
+    for (int s = 0; s < kS; ++s) {
+      wgmma_fence();
+      mma(a[s % 2], s);
+      wgmma_commit();
+      if (s + 1 < kS) {
+        wgmma_wait<1>();  // step s - 1, which read the other set, is done
+        frag(a[(s + 1) % 2], s + 1);
+      }
+    }
+    wgmma_wait<0>();  // the planes and the stage are free again at the loop's next barrier
+    const float ru[2] = {pow2(-rk[0]), pow2(-rk[1])};
+#pragma unroll
+    for (int j = 0; j < kToks / 8; ++j) {
+      const float2 ts = *reinterpret_cast<const float2*>(tscale + 8 * j + 2 * (l % 4));
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        acc.c[4 * j + i] += (d[4 * j + i] + e[4 * j + i]) * ru[i / 2] * (i % 2 ? ts.y : ts.x);
+    }
+  }
+
+  // wgmma's accumulators in mma.sync's C layout per warp (rows 16w + lane / 4 (+ 8); per 8-column tile
+  // j, columns 8j + 2 (lane % 4) (+ 1)), into red[row][tok].
+  static HK_DEVICE void store(const Acc& acc, float* red) {
+    const int l = lane_id(), r = 16 * (int)(threadIdx.x / kWaveSize) + l / 4, c = 2 * (l % 4);
+#pragma unroll
+    for (int j = 0; j < kToks / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(r + 8 * (i / 2)) * kRedLd + 8 * j + c + i % 2] = acc.c[4 * j + i];
   }
 };
 

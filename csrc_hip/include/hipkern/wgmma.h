@@ -9,6 +9,8 @@
 //                               128 threads); a, b: descriptors of K-major operands in shared memory
 //   Wgmma<T, N>::mma_rt(d, a, b)  the same with A from registers (a[4]: mma.sync's m16n8k16 A fragment
 //                               of the warp's 16 rows, mma.h) and B MN-major (b: a descriptor with lbo)
+//   Wgmma<T, N>::mma_rk(d, a, b, add)  A from registers, B K-major (b as for mma); add = 0: d = A B
+//                               (d's values unread: the first product of a fresh accumulator)
 //   Sw128<T, K>                 rows of K elements in 128-byte-swizzled atoms: 8 rows x 128 bytes
 //                               (1024 B, 1024-byte aligned), the 16-byte chunk c of row r stored at
 //                               chunk c ^ (r % 8), a row group's K / 64 (16-bit) atoms adjacent;
@@ -102,6 +104,14 @@ template <typename T, int N> struct Wgmma;  // specialised below where kWgmma
       else                                                                                             \
         HK_WG_ASM(HK_WGMMA_TEXT(N, "f16", P_RS, AB_RS, REGS, "1")                                      \
                   : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));         \
+    }                                                                                                  \
+    static HK_DEVICE void mma_rk(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int add = 1) { \
+      if constexpr (std::is_same<T, bf16_t>::value)                                                    \
+        HK_WG_ASM(HK_WGMMA_TEXT(N, "bf16", P_RS, AB_RS, REGS, "0")                                     \
+                  : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(add));       \
+      else                                                                                             \
+        HK_WG_ASM(HK_WGMMA_TEXT(N, "f16", P_RS, AB_RS, REGS, "0")                                      \
+                  : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(add));       \
     }                                                                                                  \
   };
 HK_WGMMA_SHAPE(8, "%6", "%4, %5", "%9", "{%4, %5, %6, %7}, %8",
