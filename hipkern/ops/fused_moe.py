@@ -326,8 +326,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
             (whose first dim is then the local expert count), or -1 for experts on other GPUs, whose
             pairs contribute nothing here.
         out: optional [T, D] tensor of the input dtype, written in place (every element) and returned.
-        allow_tf32: permission to use TF32 for float32 inputs; the kernels compute in real fp32
-            either way (no TF32 path yet).
+        allow_tf32: permission to use TF32 for float32 inputs; the kernels keep float32 accuracy
+            either way (no TF32 path yet): FMAs, or at block_m 64 on sm_90 exactly scaled two-term
+            fp16 splits on the tensor cores, whose error against float64 is no larger than FMAs'
+            (csrc_hip/fused_moe/NOTES.md). An infinite float32 input gives NaN there.
         validate: check the ids and expert_map values first (syncs with the device).
         block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
             the tuning database's choice for this shape (choose_config), else default_block_m.
