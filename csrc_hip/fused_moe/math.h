@@ -233,11 +233,14 @@ HK_DEVICE void split2(float a, float b, uint32_t (&p)[2]) {
 // in registers, k step s + 1 while step s's products run; the block first scales and splits the
 // stage's token rows into two fp16 planes of 128-byte-swizzled atoms (scratch, with each token row's
 // 2^-k), which the tensor cores read as B. Warpgroup g (4 warps) owns rows 64g .. 64g + 63 against all
-// kToks token rows.
+// kToks token rows. The accumulators have mma.sync's C layout per warp, as WgmmaMath's, so Acc, zero()
+// and store() are MmaMath's.
 template <int WG, int BM, int BK, int Stages>
-struct SplitMath {
-  static constexpr int kWaves = 4 * WG, kWK = 1, kRows = 64 * WG, kToks = round_up(BM, 8);
-  static constexpr int kBK = BK, kLd = kBK + 8, kRedLd = kToks + 1, kStages = Stages;
+struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
+  typedef MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> Base;
+  using typename Base::Acc;
+  using Base::kWaves, Base::kRows, Base::kToks, Base::kRedLd;
+  static constexpr int kLd = BK + 8;  // floats
   typedef Sw128<half_t, BK> L;
   static constexpr int kPlane = kToks * BK;         // fp16 elements of one plane
   static constexpr int kScaleAt = 2 * kPlane * 2;   // bytes: the token rows' 2^-k after the planes
@@ -247,13 +250,7 @@ struct SplitMath {
   static_assert(BK == 64 && kPlane * 2 % 1024 == 0, "one 128-byte atom per token row and plane");
   static_assert(kToks * (BK / 8) % (kWaves * kWaveSize) == 0, "every lane in every round of the token split");
   static constexpr bool kAsyncReads = false;  // the stages are read by ordinary loads; the planes are fenced here
-  struct Acc { float c[kToks / 2]; };
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
-
-  static HK_DEVICE void zero(Acc& a) {
-#pragma unroll
-    for (int i = 0; i < kToks / 2; ++i) a.c[i] = 0.f;
-  }
 
   static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int*, int, unsigned char* scratch) {
     half_t* planes = reinterpret_cast<half_t*>(scratch);
@@ -342,18 +339,8 @@ struct SplitMath {
       const float2 ts = *reinterpret_cast<const float2*>(tscale + 8 * j + 2 * (l % 4));
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        acc.c[4 * j + i] += (d[4 * j + i] + e[4 * j + i]) * ru[i / 2] * (i % 2 ? ts.y : ts.x);
+        acc.c[j][i] += (d[4 * j + i] + e[4 * j + i]) * ru[i / 2] * (i % 2 ? ts.y : ts.x);
     }
-  }
-
-  // wgmma's accumulators in mma.sync's C layout per warp (rows 16w + lane / 4 (+ 8); per 8-column tile
-  // j, columns 8j + 2 (lane % 4) (+ 1)), into red[row][tok].
-  static HK_DEVICE void store(const Acc& acc, float* red) {
-    const int l = lane_id(), r = 16 * (int)(threadIdx.x / kWaveSize) + l / 4, c = 2 * (l % 4);
-#pragma unroll
-    for (int j = 0; j < kToks / 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[(r + 8 * (i / 2)) * kRedLd + 8 * j + c + i % 2] = acc.c[4 * j + i];
   }
 };
 
