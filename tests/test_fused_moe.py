@@ -392,19 +392,39 @@ def test_gemv_variant_large_shapes(dtype, d, i, e, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["grouped", "decode", "gemv"])
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_internal_buffers_are_written_before_they_are_read(dtype, block_m, variant):
+    """The op's own buffers (the intermediate; for float32 at block_m 64 on sm_90 also the tokens as
+    split rows, whose blocks of 64 columns pad D = 200 and I = 72) come from torch's caching allocator
+    uninitialised: fill the memory it will hand out with NaN first, so that any element read before it
+    is written reaches the output."""
+    t, e, k = 13, 8, 2  # 26 pairs: within every variant's domain
+    x, w1, w2, w, ids = make_case(t, **ODD, e=e, k=k, dtype=dtype, seed=block_m)
+    hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant=variant)  # module loaded outside
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    junk = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 18,) * 16 + (1 << 22,) * 4]
+    del junk  # back to the allocator's free lists, NaN-filled
+    run_and_check(x, w1, w2, w, ids, block_m=block_m, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [None, 64])  # 64: float32 on sm_90 splits the tokens in a pass of its own
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_graph_capture_and_replay_with_new_routing(dtype):
+def test_cuda_graph_capture_and_replay_with_new_routing(dtype, block_m):
     t, e, k = 129, 64, 8
     x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=dtype)
     emap, w1l, w2l, _ = half_remote(e, w1, w2)
     out = torch.empty_like(x)
-    hipkern.fused_moe(x, w1, w2, w, ids, out=out)  # warm-up (module load) outside the capture
-    hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, activation="gelu")
+    hipkern.fused_moe(x, w1, w2, w, ids, out=out, block_m=block_m)  # warm-up (module load) outside the capture
+    hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, activation="gelu", block_m=block_m)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        hipkern.fused_moe(x, w1, w2, w, ids, out=out)
-        functional = hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, activation="gelu")
+        hipkern.fused_moe(x, w1, w2, w, ids, out=out, block_m=block_m)
+        functional = hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, activation="gelu", block_m=block_m)
     same_k = torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1) * 7 + 1
     for seed, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, 42)),
                           (4, uniform_ids(t, k, e, 4))):

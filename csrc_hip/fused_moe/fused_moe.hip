@@ -1,7 +1,9 @@
 // Fused MoE: out[t] = sum_j w[t, j] * w2[e] (act(w1[e, :I] x_t) * (w1[e, I:] x_t)), e = ids[t, j].
 //
 // Variant "grouped": after moe_sorting (its own module, called first by the op) three launches:
-//   gemm_kernel<Gated>  inter[p] = act(gate) * up for every routed pair p (rounded to T)
+//   split_rows_kernel   (float32 tiles with kPreSplit only) hidden states as split rows (math.h)
+//   gemm_kernel<Gated>  inter[p] = act(gate) * up for every routed pair p (rounded to T; split rows
+//                       with kPreSplit)
 //   gemm_kernel<down>   y[p] = w[p] * (w2[e] inter[p]), fp32
 //   combine_kernel      out[t] = sum over t's routed pairs of y, in slot order (deterministic: no
 //                       float atomics anywhere)
@@ -66,14 +68,24 @@ template <> struct Tiles<float, 16> {
 template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64, 3> Gate, Down; };
 // float32 at block_m 64 on wgmma where the build has it (SplitMath: scaled fp16 splits, three products
 // a k step, float32 accuracy; 128 rows, so that each weight byte brings fewer token bytes through L2):
-// 2x CUDA cores' speed where the arithmetic dominates (the 128-token and larger cases). At block_m 32
-// it was 5-10 % slower than SimtMath on the bandwidth-bound shapes (its per-stage splits and barrier),
-// so those keep CUDA cores / VALU, as does every target without wgmma.
+// 2.6x CUDA cores' speed where the arithmetic dominates (the 128-token and larger cases), with the
+// tokens split once per call (split rows). At block_m 32 (splitting per stage then) it was 5-10 %
+// slower than SimtMath on the bandwidth-bound shapes, so those keep CUDA cores / VALU, as does every
+// target without wgmma.
 template <> struct Tiles<float, 64> {  // SimtMath: 2 rows a lane spill
-  typedef std::conditional_t<hk::kWgmma, SplitMath<2, 64, 64, 3>, SimtMath<1, kSimtWK, 64, 64, 3>> Gate, Down;
+  typedef std::conditional_t<hk::kWgmma, SplitMath<2, 64, 64, 3, true>, SimtMath<1, kSimtWK, 64, 64, 3>> Gate, Down;
 };
 typedef typename Tiles<T, BM>::Gate M1;
 typedef typename Tiles<T, BM>::Down M2;
+static_assert(M1::kPreSplit == M2::kPreSplit, "the gated GEMM writes what the down GEMM reads");
+constexpr bool kPreSplit = M1::kPreSplit;
+// The decode variant has no pass before its GEMMs: SplitMath splits its tokens per stage there.
+template <typename M> struct InStep { typedef M type; };
+template <int WG, int B, int BK, int S> struct InStep<SplitMath<WG, B, BK, S, true>> {
+  typedef SplitMath<WG, B, BK, S, false> type;
+};
+typedef typename InStep<M1>::type D1;
+typedef typename InStep<M2>::type D2;
 constexpr bool kHasDecode = BM <= hk::fused_moe::kDecodeMaxBlockM;
 
 // The decode variant where this block_m has one (templates, so that the other branch is never
@@ -81,17 +93,64 @@ constexpr bool kHasDecode = BM <= hk::fused_moe::kDecodeMaxBlockM;
 template <bool kOn = kHasDecode>
 int decode_workspace_here(int device, int64_t* partial_floats, int64_t* counter_ints) {
   *partial_floats = *counter_ints = 0;
-  if constexpr (kOn) return hk::fused_moe::decode_workspace<T, M1, M2, BM>(device, partial_floats, counter_ints);
+  if constexpr (kOn) return hk::fused_moe::decode_workspace<T, D1, D2, BM>(device, partial_floats, counter_ints);
   return 0;
 }
 template <bool kOn = kHasDecode>
 int launch_decode_here(const hk::fused_moe::GemmParams& g1, const hk::fused_moe::GemmParams& g2,
                        const hk::fused_moe::DecodeArgs& d, float* partials, int* counters, int device, hipStream_t s) {
-  if constexpr (kOn) return hk::fused_moe::launch_decode<T, M1, M2, BM>(g1, g2, d, partials, counters, device, s);
+  if constexpr (kOn) return hk::fused_moe::launch_decode<T, D1, D2, BM>(g1, g2, d, partials, counters, device, s);
   return hk::set_invalid("fused_moe: the decode variant takes block_m up to 64", __FILE__, __LINE__);
 }
 
-constexpr int kCombineThreads = 256;
+constexpr int kCombineThreads = 256, kSplitThreads = 256;
+
+// hidden [rows][dim] (float) as split rows xs / scales (math.h), a warp per 64-column block. It reads
+// no output of moe_sorting, so the gated GEMM may be scheduled at once; it waits for it last, so that
+// this grid's end implies sorting's (the gated GEMM's plan reads its outputs).
+template <typename U>
+__global__ __launch_bounds__(kSplitThreads) void split_rows_kernel(const U* hidden, int64_t rows, int dim,
+                                                                   uint32_t* xs, float* scales) {
+  hk::griddep_launch_dependents();
+  const int blocks = (dim + 63) / 64, c = 2 * hk::lane_id();
+  const int64_t n = rows * blocks, warps = (int64_t)gridDim.x * (kSplitThreads / 32);
+  for (int64_t i = ((int64_t)blockIdx.x * kSplitThreads + threadIdx.x) / 32; i < n; i += warps) {
+    const int64_t r = i / blocks, col = (i % blocks) * 64 + c;
+    const float2 v = col < dim ? *reinterpret_cast<const float2*>(hidden + r * dim + col) : make_float2(0.f, 0.f);
+    hk::fused_moe::split_block_store(v.x, v.y, xs + i * 64, scales + i);
+  }
+  hk::griddep_wait();
+}
+
+// Its launch where the tiles read split rows (a template: no kernel in the other modules).
+template <bool kOn = kPreSplit>
+int launch_split_rows(const void* hidden, int64_t rows, int dim, const void* xs, const float* scales, int sms,
+                      hipStream_t s) {
+  if constexpr (kOn) {
+    const int64_t per = kSplitThreads / 32, want = (rows * ((dim + 63) / 64) + per - 1) / per, most = 8ll * sms;
+    HK_CHECK(hk::launch_dependent(split_rows_kernel<T>, dim3((unsigned)(want < most ? want : most)),
+                                  dim3(kSplitThreads), 0, s, static_cast<const T*>(hidden), rows, dim,
+                                  static_cast<uint32_t*>(const_cast<void*>(xs)), const_cast<float*>(scales)));
+  }
+  return 0;
+}
+
+// The `inter` buffer of hk_fused_moe: the intermediate [num_pairs][inter_dim] of T; for the grouped
+// variant with kPreSplit, the intermediate and the hidden states as split rows with their scales, at
+// these byte offsets (256-byte aligned).
+struct InterLayout {
+  int64_t inter_scale, x, x_scale, bytes;
+  InterLayout(int64_t tokens, int64_t pairs, int dim, int inter_dim, bool split) {
+    const int64_t ib = (inter_dim + 63) / 64, db = (dim + 63) / 64;
+    auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
+    inter_scale = x = x_scale = bytes = pairs * inter_dim * (int64_t)sizeof(T);
+    if (!split) return;
+    inter_scale = up(pairs * ib * 64 * 4);
+    x = up(inter_scale + pairs * ib * 4);
+    x_scale = up(x + tokens * db * 64 * 4);
+    bytes = x_scale + tokens * db * 4;
+  }
+};
 
 __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y, const int32_t* ids,
                                                                   const int32_t* expert_map, int num_experts,
@@ -102,6 +161,14 @@ __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y
   hk::fused_moe::trace_point(7);
 }
 }  // namespace
+
+// Bytes of hk_fused_moe's `inter` for this shape and variant (InterLayout).
+HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int inter_dim, int variant,
+                                       int64_t* bytes) {
+  HK_REQUIRE(num_tokens >= 0 && topk >= 1 && dim >= 1 && inter_dim >= 1);
+  *bytes = InterLayout(num_tokens, (int64_t)num_tokens * topk, dim, inter_dim, kPreSplit && variant == 0).bytes;
+  return 0;
+}
 
 // Workspace of hk_fused_moe on `device` (the same for any shape and variant): floats of split-K
 // partials and ints of counters (which must be zero before the first call; every call leaves them zero).
@@ -129,7 +196,7 @@ enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2 };
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
 // E_global experts; expert_map [E_global] or null), sorted_ids [max_padded] / expert_ids
 // [max_padded / BM] / num_post [1] from moe_sorting with block_m = BM (kGrouped only; null for
-// kDecode), inter [T * topk][I] (T), y [T * topk][D] (fp32), partials / counters as
+// kDecode), inter of hk_fused_moe_inter_bytes (256-byte aligned), y [T * topk][D] (fp32), partials / counters as
 // hk_fused_moe_workspace says, out [T][D]. D and I multiples of 16 bytes' worth of elements,
 // pointers 16-byte aligned. activation: 0 silu, 1 gelu. Returns 0 or an error code (hk_last_error()).
 HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const float* topk_weights,
@@ -195,16 +262,29 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   g2.out = y;
   g2.out_stride = dim;
   g2.topk_weights = topk_weights;
+  if (kPreSplit && variant == kGrouped) {  // split rows: blocks of 64 columns, scales beside them
+    const InterLayout lay(num_tokens, num_pairs, dim, inter_dim, true);
+    unsigned char* base = static_cast<unsigned char*>(inter);
+    const int dp = (dim + 63) / 64 * 64, ip = (inter_dim + 63) / 64 * 64;
+    g1.x = base + lay.x;
+    g1.x_stride = dp;
+    g1.x_scale = reinterpret_cast<const float*>(base + lay.x_scale);
+    g1.out_stride = ip;
+    g1.out_scale = reinterpret_cast<float*>(base + lay.inter_scale);
+    g2.x_stride = ip;
+    g2.x_scale = g1.out_scale;
+  }
 
   if (decode) {
     hk::fused_moe::DecodeArgs d{topk_ids, expert_map, y, out, nullptr, num_tokens, topk, num_experts, dim};
     return launch_decode_here(g1, g2, d, partials, counters, device, s);
   }
+  int sms = 0;
+  HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
+  HK_TRY(launch_split_rows(x, num_tokens, dim, g1.x, g1.x_scale, sms, s));
   HK_TRY((hk::fused_moe::launch_gemm<T, M1, BM, true>(g1, device, s)));
   HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g2, device, s)));
   const int64_t quads = (int64_t)num_tokens * (dim / 4);
-  int sms = 0;
-  HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
   const int64_t want = (quads + kCombineThreads - 1) / kCombineThreads, most = 16ll * sms;
   HK_CHECK(hk::launch_dependent(combine_kernel, dim3((unsigned)(want < most ? want : most)), dim3(kCombineThreads), 0,
                                 s, (const float*)y, topk_ids, expert_map, num_experts, static_cast<T*>(out),

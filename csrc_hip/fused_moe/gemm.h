@@ -45,8 +45,9 @@ HK_DEVICE void trace_point(int) {}
 enum Activation { kSilu = 0, kGelu = 1 };
 
 struct GemmParams {
-  const void* x;  // gated: hidden [T][K]; down: inter [num_pairs][K]
+  const void* x;  // gated: hidden [T][K]; down: inter [num_pairs][K] (split rows where M::kPreSplit)
   int64_t x_stride;
+  const float* x_scale;  // M::kPreSplit: x's block scales, [rows][x_stride / 64]
   int x_div;      // the row of x of pair p is p / x_div (gated: topk; down: 1)
   const void* w;  // [num_experts][N_w][K]; N_w = 2N (gated) or N
   int64_t w_stride_e;
@@ -56,8 +57,9 @@ struct GemmParams {
   const int32_t* expert_ids;
   const int32_t* num_post;
   int num_pairs, max_mblocks, n_tiles;
-  void* out;  // gated: T [num_pairs][N]; down: float [num_pairs][N]
+  void* out;  // gated: T [num_pairs][N] (split rows where M::kPreSplit); down: float [num_pairs][N]
   int64_t out_stride;
+  float* out_scale;  // gated, M::kPreSplit: out's block scales, [num_pairs][out_stride / 64]
   const float* topk_weights;  // down: [num_pairs]
   int activation;
   // Split-K (see plan()): partial tiles of up to max_split_items items, and one arrival counter per
@@ -150,6 +152,7 @@ struct GemmCfg {
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
   static_assert(M::kRows % 16 == 0 && M::kLd % kVec == 0 && kW % 16 == 0 && kX % 16 == 0, "16-byte rows");
+  static_assert(!M::kPreSplit || kW % 1024 == 0, "token stages (split planes) start on 1024-byte atoms");
 
   // body(j, r) for each of this thread's rows r = r0 + j * kRowStep (j < kCopies) of a kLimit-row tile.
   template <int kCopies, int kLimit, typename F>
@@ -181,6 +184,15 @@ struct Item {
     }
   }
 };
+
+// Where a stage's chunk c of token row m goes: split rows' chunks into the policy's planes.
+template <typename M>
+HK_DEVICE int x_at(int m, int c) {
+  if constexpr (M::kPreSplit)
+    return M::at_split(m, c);
+  else
+    return M::at(m, c);
+}
 
 // What a GEMM phase waits for and announces; the standalone launches (launch_gemm) use PdlHooks,
 // the one-launch decode kernel (decode.h) its own:
@@ -241,6 +253,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   const int c0 = threadIdx.x % C::kChunks, r0 = threadIdx.x / C::kChunks;
   const T* wsrc[C::kWCopies];
   const T* xsrc[C::kXCopies];
+  const float* ssrc[M::kPreSplit ? C::kXCopies : 1];  // split rows: the row's block scales
   bool whole = false;  // the current item's weight rows all exist
   auto bind = [&]() {
     const bool expert_ok = (unsigned)cur.expert < (unsigned)p.num_experts;
@@ -264,6 +277,8 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       const int pair = cur.pair[j];
       xsrc[j] = (unsigned)pair < (unsigned)p.num_pairs ? x + (int64_t)(pair / p.x_div) * p.x_stride + c0 * C::kVec
                                                        : nullptr;
+      if constexpr (M::kPreSplit)
+        ssrc[j] = xsrc[j] ? p.x_scale + (int64_t)(pair / p.x_div) * (p.x_stride / M::kBK) : nullptr;
     }
   };
 
@@ -290,19 +305,24 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     if (whole && k0 + M::kBK <= p.K) {
       if (wgt) wrows([&](int j, int r) { async_copy16(ws + M::at(r, c0), wsrc[j] + k0); });
       if (tok) xrows([&](int j, int m) {
-        if (xsrc[j]) async_copy16(xs + M::at(m, c0), xsrc[j] + k0);
+        if (xsrc[j]) async_copy16(xs + x_at<M>(m, c0), xsrc[j] + k0);
       });
-    } else {  // rows past N or an invalid expert (zeros: they contribute 0), columns past K (zeros)
-      const bool k_ok = k0 + c0 * C::kVec < p.K;
+    } else {  // rows past N or an invalid expert (zeros: they contribute 0), columns past K (zeros;
+              // split rows have them: whole 64-column blocks)
+      const bool k_ok = k0 + c0 * C::kVec < p.K, xk_ok = M::kPreSplit || k_ok;
       if (wgt) wrows([&](int j, int r) {
         const bool ok = wsrc[j] != nullptr && k_ok;
         async_copy16_or_zero(ws + M::at(r, c0), ok ? wsrc[j] + k0 : w, ok);
       });
       if (tok) xrows([&](int j, int m) {
         if (xsrc[j])  // padding rows are left as they are: only their own (never stored) columns see them
-          async_copy16_or_zero(xs + M::at(m, c0), k_ok ? xsrc[j] + k0 : x, k_ok);
+          async_copy16_or_zero(xs + x_at<M>(m, c0), xk_ok ? xsrc[j] + k0 : x, xk_ok);
       });
     }
+    if constexpr (M::kPreSplit)
+      if (tok && c0 == 0) xrows([&](int j, int m) {
+        if (xsrc[j]) async_copy4(xs + M::at_scale(m), ssrc[j] + kc);
+      });
   };
 
   // The prologue loops stay loops: each inlined load() is a few hundred instructions, and cold code
@@ -352,6 +372,22 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     __syncthreads();
     const int b = item / pl.split, nt = b / pl.n_mblocks;
     auto emit = [&](auto value) {  // value(row, token): the item's finished sums
+      if constexpr (Gated && M::kPreSplit) {  // the item's columns are one block of split rows
+        static_assert(C::kCols == M::kBK && C::kCols == 2 * kWaveSize, "a warp per token row, 2 columns a lane");
+        for (int m = threadIdx.x / kWaveSize; m < BM; m += KT / kWaveSize) {
+          const int pair = pairs[m];
+          if (pair >= p.num_pairs) continue;
+          float v[2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int c = 2 * lane_id() + i, r = 16 * (c / 8) + c % 8;
+            v[i] = nt * C::kCols + c < p.N ? activate(value(r, m), p.activation) * value(r + 8, m) : 0.f;
+          }
+          split_block_store(v[0], v[1], static_cast<uint32_t*>(p.out) + (int64_t)pair * p.out_stride + nt * C::kCols,
+                            p.out_scale + (int64_t)pair * (p.out_stride / C::kCols) + nt);
+        }
+        return;
+      }
       for (int idx = threadIdx.x; idx < C::kCols * BM; idx += KT) {
         const int c = idx % C::kCols, m = idx / C::kCols, pair = pairs[m], col = nt * C::kCols + c;
         if (pair >= p.num_pairs || col >= p.N) continue;

@@ -3,8 +3,9 @@
 //                                       on CDNA)
 //   WgmmaMath<T, WG, BM, BK, Stages>    fp16/bf16 on wgmma (sm_90a), WG warpgroups of 64 rows
 //   SimtMath<RPL, WK, BM, BK, Stages>   fp32 on CUDA cores / VALU (real fp32 FMAs, no TF32)
-//   SplitMath<WG, BM, BK, Stages>       fp32 on wgmma (sm_90a) through exact power-of-two scaling and
-//                                       two-term fp16 splits (float32 accuracy, no TF32)
+//   SplitMath<WG, BM, BK, Stages, Pre>  fp32 on wgmma (sm_90a) through exact power-of-two scaling and
+//                                       two-term fp16 splits (float32 accuracy, no TF32); Pre: the
+//                                       tokens arrive split (split rows, below)
 //
 // An item is kRows weight rows x kToks token rows; a pipeline stage (kStages deep) holds kBK of the
 // reduction dimension of both in shared memory (R rows span R * kLd elements, at() places each
@@ -24,6 +25,10 @@
 //   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
 //                                          the copies are fenced for it before the stage's barrier
 //   kScratch                               bytes of shared memory step() needs beside the stages
+//   kPreSplit                              the token rows are split rows (SplitMath<..., true>):
+//                                          a stage's token chunk c of row m goes to at_split(m, c),
+//                                          the row's scale for the stage to at_scale(m); the gated
+//                                          GEMM writes its output as split rows too
 #pragma once
 
 #include "hipkern/mma.h"
@@ -44,7 +49,7 @@ struct MmaMath {
   static constexpr int kSlice = kBK / WK, kNT = kToks / MT::N;
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
-  static constexpr bool kAsyncReads = false;
+  static constexpr bool kAsyncReads = false, kPreSplit = false;
   static constexpr int kScratch = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
 
@@ -141,7 +146,7 @@ struct SimtMath {
   static constexpr int kSlice = kBK / WK;
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
-  static constexpr bool kAsyncReads = false;
+  static constexpr bool kAsyncReads = false, kPreSplit = false;
   static constexpr int kScratch = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
 
@@ -217,6 +222,28 @@ HK_DEVICE void split2(float a, float b, uint32_t (&p)[2]) {
   }
 }
 
+// Split rows: a float32 matrix [R][K] as R rows of round_up(K, 64) 32-bit slots. Each 64-slot block
+// (256 bytes) holds its 64 values scaled by 2^k (fp16_scale_exp of their largest magnitude) as two
+// fp16 terms (split2): plane 0's 64 halves, then plane 1's; zeros past K. Beside them, each block's
+// 2^-k: [R][round_up(K, 64) / 64] floats. SplitMath<..., true> reads its tokens so, split once per
+// call instead of once per stage of every item that reads them. One 32-lane warp writes a block,
+// lane l values 2l and 2l + 1 (wgmma builds only, where warps have 32 lanes).
+template <int kLanes = kWaveSize>
+HK_DEVICE void split_block_store(float a, float b, uint32_t* block, float* scale) {
+  static_assert(kLanes == 32, "a block is 32 lanes x 2 values");
+  float amax = fmaxf(fabsf(a), fabsf(b));
+#pragma unroll
+  for (int o = 1; o < kLanes; o *= 2) amax = fmaxf(amax, shfl_xor(amax, o));
+  const int k = fp16_scale_exp(amax);
+  const float sc = pow2(k);
+  uint32_t q[2];
+  split2(a * sc, b * sc, q);
+  const int l = lane_id();
+  block[l] = q[0];
+  block[kLanes + l] = q[1];
+  if (l == 0) *scale = pow2(-k);
+}
+
 // fp32 on wgmma (hipkern/wgmma.h; only where kWgmma), float32-accurate through exact scaling and
 // fp16 splits. Per stage, each weight row and each token row is scaled by a power of two (exact) that
 // brings its largest magnitude in the stage's kBK values to [2^14, 2^15), then split into two fp16
@@ -230,12 +257,14 @@ HK_DEVICE void split2(float a, float b, uint32_t (&p)[2]) {
 // Stages hold float rows as SimtMath's (kLd = BK + 8 floats: each warp's 8-byte A-fragment loads hit
 // every bank twice, the minimum). Warp w loads the A fragments of rows 16w .. 16w + 15 of the whole
 // stage, finds each row's largest magnitude with the 3 other lanes holding the row, and splits them
-// in registers, k step s + 1 while step s's products run; the block first scales and splits the
-// stage's token rows into two fp16 planes of 128-byte-swizzled atoms (scratch, with each token row's
-// 2^-k), which the tensor cores read as B. Warpgroup g (4 warps) owns rows 64g .. 64g + 63 against all
-// kToks token rows. The accumulators have mma.sync's C layout per warp, as WgmmaMath's, so Acc, zero()
+// in registers, k step s + 1 while step s's products run. The tensor cores read B from two fp16
+// planes of 128-byte-swizzled atoms followed by each token row's 2^-k: with PreSplit, the stage itself
+// (the loader puts split rows' chunks and scales there: at_split(), at_scale()); otherwise scratch,
+// where the block first scales and splits the stage's float token rows (and a barrier, every stage
+// of every item: a quarter of the time at 128 tokens of the Mixtral-like shapes, hence PreSplit).
+// Warpgroup g (4 warps) owns rows 64g .. 64g + 63 against all kToks token rows. The accumulators have mma.sync's C layout per warp, as WgmmaMath's, so Acc, zero()
 // and store() are MmaMath's.
-template <int WG, int BM, int BK, int Stages>
+template <int WG, int BM, int BK, int Stages, bool PreSplit>
 struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
   typedef MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> Base;
   using typename Base::Acc;
@@ -244,18 +273,26 @@ struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
   typedef Sw128<half_t, BK> L;
   static constexpr int kPlane = kToks * BK;         // fp16 elements of one plane
   static constexpr int kScaleAt = 2 * kPlane * 2;   // bytes: the token rows' 2^-k after the planes
-  // At least as large as the partials tile, which gemm.h then keeps here (between items).
-  static constexpr int kScratch = round_up(kScaleAt + kToks * 4 > kRows * kRedLd * 4 ? kScaleAt + kToks * 4
-                                                                                     : kRows * kRedLd * 4, 1024);
+  static constexpr int kSplitBytes = kScaleAt + kToks * 4;
+  // The split planes (without PreSplit); at least as large as the partials tile, which gemm.h then
+  // keeps here (between items).
+  static constexpr int kScratch =
+      round_up(!PreSplit && kSplitBytes > kRows * kRedLd * 4 ? kSplitBytes : kRows * kRedLd * 4, 1024);
   static_assert(BK == 64 && kPlane * 2 % 1024 == 0, "one 128-byte atom per token row and plane");
   static_assert(kToks * (BK / 8) % (kWaves * kWaveSize) == 0, "every lane in every round of the token split");
-  static constexpr bool kAsyncReads = false;  // the stages are read by ordinary loads; the planes are fenced here
+  static_assert(!PreSplit || (kSplitBytes <= kToks * kLd * 4 && kToks * kLd * 4 % 1024 == 0),
+                "a token stage holds the planes and scales, in whole 1024-byte atoms");
+  // The weight stages are read by ordinary loads, the planes through the async proxy: those built
+  // here are fenced here, the loader's copies (PreSplit) by gemm.h.
+  static constexpr bool kAsyncReads = PreSplit, kPreSplit = PreSplit;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
+  // Floats from a token stage's start: chunk c (plane c / 8) of split row r, and the row's scale.
+  static HK_DEVICE int at_split(int r, int c) { return (c / 8 * kPlane + L::at(r, c % 8)) / 2; }
+  static HK_DEVICE int at_scale(int r) { return kScaleAt / 4 + r; }
 
-  static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int*, int, unsigned char* scratch) {
-    half_t* planes = reinterpret_cast<half_t*>(scratch);
-    float* tscale = reinterpret_cast<float*>(scratch + kScaleAt);
-    // The token rows (padding rows too: only their own columns see them), 8 values a thread; a row's
+  // The stage's float token rows into planes and tscale (every thread; ends with a barrier).
+  static HK_DEVICE void split_tokens(const float* x_s, half_t* planes, float* tscale) {
+    // Padding rows too (only their own columns see them), 8 values a thread; a row's
     // BK / 8 = 8 chunks are 8 adjacent lanes.
     for (int i = threadIdx.x; i < kToks * (BK / 8); i += kWaves * kWaveSize) {
       const int m = i / (BK / 8), c = i % (BK / 8);
@@ -279,6 +316,13 @@ struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
     }
     fence_async_shared();
     __syncthreads();
+  }
+
+  static HK_DEVICE void step(Acc& acc, const float* w_s, const float* x_s, const int*, int, unsigned char* scratch) {
+    unsigned char* split = PreSplit ? reinterpret_cast<unsigned char*>(const_cast<float*>(x_s)) : scratch;
+    half_t* planes = reinterpret_cast<half_t*>(split);
+    const float* tscale = reinterpret_cast<const float*>(split + kScaleAt);
+    if constexpr (!PreSplit) split_tokens(x_s, planes, reinterpret_cast<float*>(split + kScaleAt));
 
     // This warp's A values of the whole stage (mma.h's m16n8k16 layout: q = 0..3 at row + 8 (q % 2),
     // k + 8 (q / 2)) and its two rows' scales; the 4 lanes l / 4 hold the same two rows.

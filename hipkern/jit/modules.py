@@ -95,6 +95,8 @@ MODULE_FAMILIES = {
         "functions": (
             # device, int64* partial_floats, int64* counter_ints (out)
             ("hk_fused_moe_workspace", "i32", ("i32", "ptr", "ptr")),
+            # num_tokens, topk, dim, inter_dim, variant, int64* bytes (out): the size of hk_fused_moe's inter
+            ("hk_fused_moe_inter_bytes", "i32", ("i32", "i32", "i32", "i32", "i32", "ptr")),
             # x, w1, w2, topk_weights, topk_ids, expert_map, sorted_ids, expert_ids, num_post, inter, y,
             # partials, counters, out, num_tokens, topk, num_experts, num_local_experts, dim, inter_dim,
             # max_padded, activation, variant, device, stream

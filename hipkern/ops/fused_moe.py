@@ -257,8 +257,12 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
         sorting = (sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr())
         max_padded = sorted_ids.numel()
-    ws = torch.empty((num_tokens * topk, inter), dtype=hidden_states.dtype, device=hidden_states.device)
     mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
+    nbytes = ctypes.c_int64()  # the intermediate (and, for some tiles, the tokens as split rows)
+    rc = mod.hk_fused_moe_inter_bytes(num_tokens, topk, dim, inter, _VARIANT_CODES[variant], ctypes.byref(nbytes))
+    if rc:
+        mod.check(rc, "fused_moe inter_bytes")
+    ws = torch.empty((nbytes.value,), dtype=torch.uint8, device=hidden_states.device)
     if variant == "gemv":  # sums in registers: no y, no split-K workspace
         y = partials = counters = None
     else:
