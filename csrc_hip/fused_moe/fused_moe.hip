@@ -68,7 +68,7 @@ template <> struct Tiles<float, 16> {
 template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64, 3> Gate, Down; };
 // float32 at block_m 64 on wgmma where the build has it (SplitMath: scaled fp16 splits, three products
 // a k step, float32 accuracy; 128 rows, so that each weight byte brings fewer token bytes through L2):
-// 2.6x CUDA cores' speed where the arithmetic dominates (the 128-token and larger cases), with the
+// 2.3x CUDA cores' speed where the arithmetic dominates (the 128-token and larger cases), with the
 // tokens split once per call (split rows). At block_m 32 (splitting per stage then) it was 5-10 %
 // slower than SimtMath on the bandwidth-bound shapes, so those keep CUDA cores / VALU, as does every
 // target without wgmma.
