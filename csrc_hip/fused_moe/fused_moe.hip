@@ -1,6 +1,7 @@
 // Fused MoE: out[t] = sum_j w[t, j] * w2[e] (act(w1[e, :I] x_t) * (w1[e, I:] x_t)), e = ids[t, j].
 //
-// Variant "grouped": after moe_sorting (its own module, called first by the op) three launches:
+// Variant "grouped": after moe_sorting (its own module, called first by the op) three launches, four
+// with split-row tiles:
 //   split_rows_kernel   (float32 tiles with kPreSplit only) hidden states as split rows (math.h)
 //   gemm_kernel<Gated>  inter[p] = act(gate) * up for every routed pair p (rounded to T; split rows
 //                       with kPreSplit)
@@ -105,13 +106,15 @@ int launch_decode_here(const hk::fused_moe::GemmParams& g1, const hk::fused_moe:
 
 constexpr int kCombineThreads = 256, kSplitThreads = 256;
 
-// hidden [rows][dim] (float) as split rows xs / scales (math.h), a warp per 64-column block. It reads
-// no output of moe_sorting, so the gated GEMM may be scheduled at once; it waits for it last, so that
-// this grid's end implies sorting's (the gated GEMM's plan reads its outputs).
+// hidden [rows][dim] (float) as split rows xs / scales (math.h), a warp per 64-column block. The gated
+// GEMM may be scheduled at once (it waits for this grid's end, which implies sorting's: its plan reads
+// sorting's outputs). This grid waits for sorting before its first store: `inter` may reuse memory
+// that sorting's kernels still read (its workspace, freed to torch's allocator in stream order).
 template <typename U>
 __global__ __launch_bounds__(kSplitThreads) void split_rows_kernel(const U* hidden, int64_t rows, int dim,
                                                                    uint32_t* xs, float* scales) {
   hk::griddep_launch_dependents();
+  hk::griddep_wait();
   const int blocks = (dim + 63) / 64, c = 2 * hk::lane_id();
   const int64_t n = rows * blocks, warps = (int64_t)gridDim.x * (kSplitThreads / 32);
   for (int64_t i = ((int64_t)blockIdx.x * kSplitThreads + threadIdx.x) / 32; i < n; i += warps) {
@@ -119,7 +122,6 @@ __global__ __launch_bounds__(kSplitThreads) void split_rows_kernel(const U* hidd
     const float2 v = col < dim ? *reinterpret_cast<const float2*>(hidden + r * dim + col) : make_float2(0.f, 0.f);
     hk::fused_moe::split_block_store(v.x, v.y, xs + i * 64, scales + i);
   }
-  hk::griddep_wait();
 }
 
 // Its launch where the tiles read split rows (a template: no kernel in the other modules).
@@ -162,11 +164,18 @@ __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y
 }
 }  // namespace
 
+// Variants: kGrouped, the chain moe_sorting (its own module, called first) -> [split rows] -> gated
+// GEMM -> down GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
+// kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; kGemv, two matrix-vector launches
+// (gemv.h) for at most kGemvPairs pairs, any block_m. kDecode and kGemv read no sorting output;
+// kGemv uses neither y nor the workspace (they may be null).
+enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2 };
+
 // Bytes of hk_fused_moe's `inter` for this shape and variant (InterLayout).
 HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int inter_dim, int variant,
                                        int64_t* bytes) {
   HK_REQUIRE(num_tokens >= 0 && topk >= 1 && dim >= 1 && inter_dim >= 1);
-  *bytes = InterLayout(num_tokens, (int64_t)num_tokens * topk, dim, inter_dim, kPreSplit && variant == 0).bytes;
+  *bytes = InterLayout(num_tokens, (int64_t)num_tokens * topk, dim, inter_dim, kPreSplit && variant == kGrouped).bytes;
   return 0;
 }
 
@@ -186,17 +195,11 @@ HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_
   return 0;
 }
 
-// Variants: kGrouped, the chain moe_sorting (its own module, called first) -> gated GEMM -> down
-// GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
-// kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; kGemv, two matrix-vector launches
-// (gemv.h) for at most kGemvPairs pairs, any block_m. kDecode and kGemv read no sorting output;
-// kGemv uses neither y nor the workspace (they may be null).
-enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2 };
-
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
 // E_global experts; expert_map [E_global] or null), sorted_ids [max_padded] / expert_ids
 // [max_padded / BM] / num_post [1] from moe_sorting with block_m = BM (kGrouped only; null for
-// kDecode), inter of hk_fused_moe_inter_bytes (256-byte aligned), y [T * topk][D] (fp32), partials / counters as
+// kDecode), inter of hk_fused_moe_inter_bytes bytes (which may exceed [T * topk][I] elements; no
+// memory the previous kernel on the stream still uses), y [T * topk][D] (fp32), partials / counters as
 // hk_fused_moe_workspace says, out [T][D]. D and I multiples of 16 bytes' worth of elements,
 // pointers 16-byte aligned. activation: 0 silu, 1 gelu. Returns 0 or an error code (hk_last_error()).
 HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const float* topk_weights,

@@ -12,7 +12,8 @@
 // so an expert's m-blocks read its weights from HBM about once when routing piles tokens onto it.
 //
 // Pipeline. A block's items and their kBK-wide reduction stages form one stream of stages, loaded
-// kStages deep with 16-byte asynchronous copies (synchronous, one stage, on CDNA): the next item's
+// kStages deep with 16-byte asynchronous copies (and a 4-byte one per token row of split rows;
+// synchronous, one stage, on CDNA): the next item's
 // weights are in flight while this item finishes, so small items (the down GEMM at I = 256) keep
 // HBM busy. Weight rows past the end, columns past K and invalid experts are zero-filled and never
 // read; padding token rows are not loaded at all (their columns of the product are never stored).
@@ -201,7 +202,8 @@ HK_DEVICE int x_at(int m, int c) {
 //                      it may hold a barrier)
 //   item_done(mb)      after an item's outputs are written (every thread calls it)
 // Programmatic dependent launch (launch_dependent, sm_90; plain launches elsewhere): the gated
-// GEMM's plan reads moe_sorting's outputs, so it waits for that kernel first. The down GEMM's plan
+// GEMM's plan reads moe_sorting's outputs, so it waits for the kernel before it first (sorting, or
+// the split-rows pass, which ends only after sorting has). The down GEMM's plan
 // reads them too, but the gated GEMM started only after they were complete (it triggers its
 // dependents after its own wait), so the down GEMM plans and streams its first weight stages while
 // the gated GEMM still runs, and waits only before it reads the intermediate.

@@ -254,16 +254,17 @@ HK_DEVICE void split_block_store(float a, float b, uint32_t* block, float* scale
 // accumulators, W0 X0 in one and the two smaller ones in another, which are then unscaled and added
 // to acc in round-to-nearest: the error grows as fp32 FMAs' does, not with the number of wgmma
 // (measured against float64: smaller than the float32 FMA path's).
-// Stages hold float rows as SimtMath's (kLd = BK + 8 floats: each warp's 8-byte A-fragment loads hit
-// every bank twice, the minimum). Warp w loads the A fragments of rows 16w .. 16w + 15 of the whole
-// stage, finds each row's largest magnitude with the 3 other lanes holding the row, and splits them
-// in registers, k step s + 1 while step s's products run. The tensor cores read B from two fp16
-// planes of 128-byte-swizzled atoms followed by each token row's 2^-k: with PreSplit, the stage itself
-// (the loader puts split rows' chunks and scales there: at_split(), at_scale()); otherwise scratch,
-// where the block first scales and splits the stage's float token rows (and a barrier, every stage
-// of every item: a quarter of the time at 128 tokens of the Mixtral-like shapes, hence PreSplit).
-// Warpgroup g (4 warps) owns rows 64g .. 64g + 63 against all kToks token rows. The accumulators have mma.sync's C layout per warp, as WgmmaMath's, so Acc, zero()
-// and store() are MmaMath's.
+// Weight stages hold float rows as SimtMath's (kLd = BK + 8 floats: each warp's 8-byte A-fragment
+// loads hit every bank twice, the minimum). Warp w loads the A fragments of rows 16w .. 16w + 15 of
+// the whole stage, finds each row's largest magnitude with the 3 other lanes holding the row, and
+// splits them in registers, k step s + 1 while step s's products run. The tensor cores read B from
+// two fp16 planes of 128-byte-swizzled atoms followed by each token row's 2^-k: with PreSplit, the
+// stage itself (the loader puts split rows' chunks and scales there: at_split(), at_scale());
+// otherwise scratch, where the block first scales and splits the stage's float token rows (and a
+// barrier, every stage of every item: a quarter of the time at 128 tokens of the Mixtral-like
+// shapes, hence PreSplit). Warpgroup g (4 warps) owns rows 64g .. 64g + 63 against all kToks token
+// rows. The accumulators have mma.sync's C layout per warp, as WgmmaMath's, so Acc, zero() and
+// store() are MmaMath's.
 template <int WG, int BM, int BK, int Stages, bool PreSplit>
 struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
   typedef MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> Base;
@@ -279,7 +280,8 @@ struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
   static constexpr int kScratch =
       round_up(!PreSplit && kSplitBytes > kRows * kRedLd * 4 ? kSplitBytes : kRows * kRedLd * 4, 1024);
   static_assert(BK == 64 && kPlane * 2 % 1024 == 0, "one 128-byte atom per token row and plane");
-  static_assert(kToks * (BK / 8) % (kWaves * kWaveSize) == 0, "every lane in every round of the token split");
+  static_assert(PreSplit || kToks * (BK / 8) % (kWaves * kWaveSize) == 0,
+                "every lane in every round of the token split");
   static_assert(!PreSplit || (kSplitBytes <= kToks * kLd * 4 && kToks * kLd * 4 % 1024 == 0),
                 "a token stage holds the planes and scales, in whole 1024-byte atoms");
   // The weight stages are read by ordinary loads, the planes through the async proxy: those built
