@@ -138,19 +138,20 @@ int launch_split_rows(const void* hidden, int64_t rows, int dim, const void* xs,
 }
 
 // The `inter` buffer of hk_fused_moe: the intermediate [num_pairs][inter_dim] of T; for the grouped
-// variant with kPreSplit, the intermediate and the hidden states as split rows with their scales, at
-// these byte offsets (256-byte aligned).
+// variant with kPreSplit, the intermediate and the hidden states as split rows (row strides
+// inter_stride / x_stride 32-bit slots) with their scales, at these byte offsets (256-byte aligned).
 struct InterLayout {
+  int inter_stride, x_stride;
   int64_t inter_scale, x, x_scale, bytes;
-  InterLayout(int64_t tokens, int64_t pairs, int dim, int inter_dim, bool split) {
-    const int64_t ib = (inter_dim + 63) / 64, db = (dim + 63) / 64;
+  InterLayout(int64_t tokens, int64_t pairs, int dim, int inter_dim, bool split)
+      : inter_stride(hk::fused_moe::round_up(inter_dim, 64)), x_stride(hk::fused_moe::round_up(dim, 64)) {
     auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
     inter_scale = x = x_scale = bytes = pairs * inter_dim * (int64_t)sizeof(T);
     if (!split) return;
-    inter_scale = up(pairs * ib * 64 * 4);
-    x = up(inter_scale + pairs * ib * 4);
-    x_scale = up(x + tokens * db * 64 * 4);
-    bytes = x_scale + tokens * db * 4;
+    inter_scale = up(pairs * inter_stride * 4);
+    x = up(inter_scale + pairs * (inter_stride / 64) * 4);
+    x_scale = up(x + tokens * x_stride * 4);
+    bytes = x_scale + tokens * (x_stride / 64) * 4;
   }
 };
 
@@ -268,13 +269,12 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   if (kPreSplit && variant == kGrouped) {  // split rows: blocks of 64 columns, scales beside them
     const InterLayout lay(num_tokens, num_pairs, dim, inter_dim, true);
     unsigned char* base = static_cast<unsigned char*>(inter);
-    const int dp = (dim + 63) / 64 * 64, ip = (inter_dim + 63) / 64 * 64;
     g1.x = base + lay.x;
-    g1.x_stride = dp;
+    g1.x_stride = lay.x_stride;
     g1.x_scale = reinterpret_cast<const float*>(base + lay.x_scale);
-    g1.out_stride = ip;
+    g1.out_stride = lay.inter_stride;
     g1.out_scale = reinterpret_cast<float*>(base + lay.inter_scale);
-    g2.x_stride = ip;
+    g2.x_stride = lay.inter_stride;
     g2.x_scale = g1.out_scale;
   }
 

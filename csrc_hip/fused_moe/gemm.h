@@ -13,12 +13,12 @@
 //
 // Pipeline. A block's items and their kBK-wide reduction stages form one stream of stages, loaded
 // kStages deep with 16-byte asynchronous copies (and a 4-byte one per token row of split rows;
-// synchronous, one stage, on CDNA): the next item's
-// weights are in flight while this item finishes, so small items (the down GEMM at I = 256) keep
-// HBM busy. Weight rows past the end, columns past K and invalid experts are zero-filled and never
-// read; padding token rows are not loaded at all (their columns of the product are never stored).
-// After an item's last stage, the k-groups' partial tiles meet in shared memory (summed in a fixed
-// order: deterministic) and the epilogue writes the item's outputs.
+// synchronous, one stage, on CDNA): the next item's weights are in flight while this item finishes,
+// so small items (the down GEMM at I = 256) keep HBM busy. Weight rows past the end, columns past K
+// and invalid experts are zero-filled and never read; padding token rows are not loaded at all
+// (their columns of the product are never stored). After an item's last stage, the k-groups'
+// partial tiles meet in shared memory (summed in a fixed order: deterministic) and the epilogue
+// writes the item's outputs.
 #pragma once
 
 #include "math.h"
@@ -203,10 +203,10 @@ HK_DEVICE int x_at(int m, int c) {
 //   item_done(mb)      after an item's outputs are written (every thread calls it)
 // Programmatic dependent launch (launch_dependent, sm_90; plain launches elsewhere): the gated
 // GEMM's plan reads moe_sorting's outputs, so it waits for the kernel before it first (sorting, or
-// the split-rows pass, which ends only after sorting has). The down GEMM's plan
-// reads them too, but the gated GEMM started only after they were complete (it triggers its
-// dependents after its own wait), so the down GEMM plans and streams its first weight stages while
-// the gated GEMM still runs, and waits only before it reads the intermediate.
+// the split-rows pass, which ends only after sorting has). The down GEMM's plan reads them too, but
+// the gated GEMM started only after they were complete (it triggers its dependents after its own
+// wait), so the down GEMM plans and streams its first weight stages while the gated GEMM still runs,
+// and waits only before it reads the intermediate.
 template <int kTrace>  // the launch's first trace point
 struct PdlHooks {
   HK_DEVICE void wait_input() const {
@@ -277,10 +277,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 #pragma unroll
     for (int j = 0; j < C::kXCopies; ++j) {
       const int pair = cur.pair[j];
-      xsrc[j] = (unsigned)pair < (unsigned)p.num_pairs ? x + (int64_t)(pair / p.x_div) * p.x_stride + c0 * C::kVec
-                                                       : nullptr;
-      if constexpr (M::kPreSplit)
-        ssrc[j] = xsrc[j] ? p.x_scale + (int64_t)(pair / p.x_div) * (p.x_stride / M::kBK) : nullptr;
+      const bool ok = (unsigned)pair < (unsigned)p.num_pairs;
+      const int64_t row = pair / p.x_div;
+      xsrc[j] = ok ? x + row * p.x_stride + c0 * C::kVec : nullptr;
+      if constexpr (M::kPreSplit) ssrc[j] = ok ? p.x_scale + row * (p.x_stride / M::kBK) : nullptr;
     }
   };
 
