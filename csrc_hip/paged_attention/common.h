@@ -158,11 +158,17 @@ HK_DEVICE BlockWork block_work(const Params& p) {
 // Row offset (elements) of token t of sequence `seq`'s block-table row `bt`, or -1 when its block id
 // lies outside the cache (the token is then masked, never read).
 // Any t >= 0 may be asked (the block-table index is clamped to the row, so callers may read it
-// before they know the context length, and mask by it afterwards).
-HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
-  const int blk = bt[min(t >> p.block_size_log2, p.max_blocks_per_seq - 1)];
+// before they know the context length, and mask by it afterwards). In two halves, so that a caller
+// can hold the loaded block id and make the offset later: a load's latency is paid at its first use.
+HK_DEVICE int token_block(const Params& p, const int32_t* bt, int t) {
+  return bt[min(t >> p.block_size_log2, p.max_blocks_per_seq - 1)];
+}
+HK_DEVICE int64_t block_offset(const Params& p, int blk, int t) {
   if (blk < 0 || blk >= p.num_blocks) return -1;
   return (int64_t)blk * p.kv_stride_block + (int64_t)(t & ((1 << p.block_size_log2) - 1)) * p.kv_stride_tok;
+}
+HK_DEVICE int64_t token_offset(const Params& p, const int32_t* bt, int t) {
+  return block_offset(p, token_block(p, bt, t), t);
 }
 
 // Whether a block of a cluster launch merges its partition inside the cluster (else, when its

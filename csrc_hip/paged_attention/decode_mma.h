@@ -5,8 +5,9 @@
 //   Pipeline: the partition's tokens go through shared memory in tiles of kTile tokens, kStages
 //     deep: all threads issue coalesced 16-byte asynchronous copies of the K and V rows of tile i+S-1
 //     (rows of masked tokens zero-filled, never read) while the waves compute tile i. The rows' cache
-//     offsets come from shared memory, read from the block table one tile earlier still (one thread
-//     per row, into a register), so no copy waits on a block-table load. Where copies
+//     offsets come from shared memory, made one tile earlier from block ids read from the block
+//     table a tile before that (one thread per row, into a register), so neither a copy nor the
+//     reading thread's wave waits on a block-table load. Where copies
 //     are synchronous (CDNA here) one stage is used: 64 KB of LDS holds no more, and it does not fit
 //     head size 256 at all (the launcher reports it; the Python op rejects it first).
 //   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
@@ -140,11 +141,13 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
   const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
   const int ntiles = work.skip ? 0 : (end - start + C::kTile - 1) / C::kTile;
-  // Cache offset of row threadIdx.x (< kTile) of a tile, or -1 (masked: past the end, invalid block).
-  auto row_offset = [&](int tile) -> int64_t {
+  // Row threadIdx.x (< kTile) of a tile: its block id (-1 past the end), read a tile before its cache
+  // offset (-1: masked, past the end or an invalid block) is made, so no wave waits on the read.
+  auto row_block = [&](int tile) -> int {
     const int t = start + tile * C::kTile + (int)threadIdx.x;
-    return t < end ? token_offset(p, bt, t) : -1;
+    return t < end ? token_block(p, bt, t) : -1;
   };
+  auto row_offset = [&](int tile, int blk) { return block_offset(p, blk, start + tile * C::kTile + (int)threadIdx.x); };
   // Every thread: its share of a tile's K and V chunks; offset(j, r): the cache offset of its j-th
   // copy's row r of the tile.
   auto load_tile = [&](int tile, auto offset) {
@@ -173,13 +176,14 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     }
     async_copy_commit();
   }
-  int64_t pending = -1;
+  int pending = -1;  // the block id of this thread's row of the tile whose offsets go to off_s next
   if (threadIdx.x < C::kTile) {
-    off_s[(C::kStages - 1) % 2 * C::kTile + threadIdx.x] = row_offset(C::kStages - 1);
-    pending = row_offset(C::kStages);
+    off_s[(C::kStages - 1) % 2 * C::kTile + threadIdx.x] = row_offset(C::kStages - 1, row_block(C::kStages - 1));
+    pending = row_block(C::kStages);
   }
-  // Iteration `tile`, after a barrier: copy tile + kStages - 1 from off_s, then move the offsets of
-  // the tile after it into off_s (that half was last read before the barrier) and read the next.
+  // Iteration `tile`, after a barrier: copy tile + kStages - 1 from off_s, then make the offsets of
+  // the tile after it into off_s (that half was last read before the barrier) from the block ids read
+  // an iteration ago, and read the block ids of the tile after that.
   auto load_ahead = [&](int tile) {
     const int next = tile + C::kStages - 1;
     if (next < ntiles) {
@@ -187,8 +191,8 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       load_tile(next, [&](int, int r) { return o[r]; });
     }
     if (threadIdx.x < C::kTile) {
-      off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = pending;
-      if (next + 2 < ntiles) pending = row_offset(next + 2);
+      off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = row_offset(next + 1, pending);
+      if (next + 2 < ntiles) pending = row_block(next + 2);
     }
   };
 
