@@ -100,22 +100,36 @@ def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end():
     nb, bs, hkv, d = 70000, 16, 8, 256  # 2.29e9 elements per cache
     k = torch.empty((nb, bs, hkv, d), dtype=torch.bfloat16, device="cuda")
     v = torch.empty_like(k)
-    far = torch.arange(nb - 40, nb, device="cuda", dtype=torch.int32)
-    k[far.long()] = torch.randn((40, bs, hkv, d), device="cuda").to(torch.bfloat16)
-    v[far.long()] = torch.randn((40, bs, hkv, d), device="cuda").to(torch.bfloat16)
-    bt = far.flip(0).view(2, 20).contiguous()
+    far = torch.arange(nb - 140, nb, device="cuda", dtype=torch.int32)
+    k[far.long()] = torch.randn((140, bs, hkv, d), device="cuda").to(torch.bfloat16)
+    v[far.long()] = torch.randn((140, bs, hkv, d), device="cuda").to(torch.bfloat16)
+    bt = far.flip(0).view(2, 70).contiguous()
     q = torch.randn(2, hkv * 4, d, device="cuda").to(torch.bfloat16)
-    cl = torch.tensor([20 * bs, 7 * bs + 5], dtype=torch.int32, device="cuda")
+    cl = torch.tensor([70 * bs, 7 * bs + 5], dtype=torch.int32, device="cuda")
     assert k.numel() > 2**31
     for variant in VARIANT_NAMES:
         run_and_check((q, k, v, bt, cl), variant=variant)
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    with pinned(Candidate.of("v16", partition_size=65536)):  # 18 tiles in one partition: prefetched
+        run_and_check((q, k, v, bt, cl), variant=None)
 
 
 @pytest.mark.gpu
-def test_invalid_metadata_never_reads_out_of_bounds():
-    q, k, v, bt, cl = make_case([40, 40], num_kv_heads=1, group=4)
+@pytest.mark.parametrize("n", [40, 1500])
+def test_invalid_metadata_never_reads_out_of_bounds(n):
+    """Invalid block ids (negative, past the cache) and a context length past the block-table row, with
+    NaN in every block the table does not name; at 1500 tokens also through v16's unsplit 16-head
+    blocks, which ask L2 for each tile's rows ahead of their copies."""
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    q, k, v, bt, cl = make_case([n, n], num_kv_heads=1, group=4)
     bt[0, 1] = -5
+    bt[0, n // 32] = -7
     bt[1, 0] = k.shape[0] + 1000
+    bt[1, n // 20] = k.shape[0]
     cl[1] = 10**6  # beyond what the block-table row addresses: clamped
     unused = sorted(set(range(k.shape[0])) - set(bt.flatten().tolist()))
     if 0 not in unused:  # block 0 (where a masked token's row would point if offsets were clamped) too
@@ -125,6 +139,9 @@ def test_invalid_metadata_never_reads_out_of_bounds():
     for variant in VARIANT_NAMES:
         o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)
         assert torch.isfinite(o).all(), variant
+    with pinned(Candidate.of("v16", heads_per_block=16, partition_size=65536)):
+        o = hipkern.paged_attention_decode(q, k, v, bt, cl)
+        assert torch.isfinite(o).all()
 
 
 @pytest.mark.gpu
@@ -220,6 +237,25 @@ def test_group_split_over_blocks(heads_per_block, head_size):
         for extra in ({}, {"partition_size": 64}, {"partition_size": 512}):
             with pinned(Candidate.of("v16", heads_per_block=heads_per_block, **extra)):
                 run_and_check(case, variant=None, msg=f"group {group} {extra} ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads_per_block", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_long_partitions_prefetched_into_l2(heads_per_block, head_size):
+    """Partitions of 16 tiles and more, where v16's 16- and 32-head blocks ask L2 for each tile's rows a
+    tile ahead of their copies: lengths around that threshold (959 / 1023 tokens: 15 / 16 tiles), a
+    partition boundary and an empty context, unsplit and split."""
+    from hipkern.tune.core import Candidate
+    from hipkern.tune.paged_attention import pinned
+
+    lens = [0, 1, 959, 1023, 1024, 1025, 2047, 4103]
+    case = make_case(lens, num_kv_heads=2, group=heads_per_block, head_size=head_size,
+                     seed=head_size + heads_per_block)
+    for partition_size in (1024, 65536):
+        with pinned(Candidate.of("v16", heads_per_block=heads_per_block, partition_size=partition_size)):
+            o, lse = run_and_check(case, variant=None, msg=f"partitions of {partition_size} ")
+        assert (o[0] == 0).all() and (lse[0] == -math.inf).all()
 
 
 @pytest.mark.gpu

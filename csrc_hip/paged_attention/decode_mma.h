@@ -34,6 +34,9 @@ namespace hk {
 namespace paged_attention {
 namespace mma {
 
+// Partitions of at least this many tiles prefetch (shorter ones are bounded by their first tiles).
+constexpr int kPrefetchTiles = 16;
+
 // Waves per block: 4, or 8 for 64 heads (4 head tiles) where shared memory allows (not on CDNA:
 // the merge area of 8 waves would not fit 64 KB of LDS). 8 waves halve each wave's share of the
 // 64-head products, which otherwise leave the block waiting on its matrix units. kSmall (variant
@@ -49,6 +52,9 @@ struct Cfg {
   static constexpr bool kWg = kWgmma && WM == 4 && !kSmall;  // two warpgroups: 64 heads x 32 tokens each
   static constexpr int kTile = kSmall ? 32 : 64;  // tokens per pipeline stage
   static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;  // (wgmma, head 256: 3 fit, no faster)
+  // L2 prefetch of the tile after the copies' (in long partitions): where the two-three blocks per SM
+  // stream one KV head each; the 64-head and v6 blocks measured slower with it (NOTES.md).
+  static constexpr bool kPrefetch = !kWg && !kSmall;
   static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
   static constexpr int kRows = 16 * WM;      // query heads per block
   typedef Sw128<T, D> L;                     // the layout of Q, K and V rows where kWg
@@ -181,9 +187,11 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     off_s[(C::kStages - 1) % 2 * C::kTile + threadIdx.x] = row_offset(C::kStages - 1, row_block(C::kStages - 1));
     pending = row_block(C::kStages);
   }
+  const bool prefetch = C::kPrefetch && ntiles >= kPrefetchTiles;
   // Iteration `tile`, after a barrier: copy tile + kStages - 1 from off_s, then make the offsets of
   // the tile after it into off_s (that half was last read before the barrier) from the block ids read
-  // an iteration ago, and read the block ids of the tile after that.
+  // an iteration ago (and, where `prefetch`, ask L2 for that tile's rows), and read the block ids of
+  // the tile after that.
   auto load_ahead = [&](int tile) {
     const int next = tile + C::kStages - 1;
     if (next < ntiles) {
@@ -191,7 +199,12 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       load_tile(next, [&](int, int r) { return o[r]; });
     }
     if (threadIdx.x < C::kTile) {
-      off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = row_offset(next + 1, pending);
+      const int64_t o = row_offset(next + 1, pending);
+      off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = o;
+      if (prefetch && o >= 0 && next + 1 < ntiles) {
+        prefetch_l2<D * (int)sizeof(T)>(kbase + o);
+        prefetch_l2<D * (int)sizeof(T)>(vbase + o);
+      }
       if (next + 2 < ntiles) pending = row_block(next + 2);
     }
   };

@@ -206,6 +206,20 @@ HK_DEVICE void async_copy_wait_pending() {
 #endif
 }
 
+// Ask L2 to fetch the `bytes` (a multiple of 128) at 128-byte aligned gmem for a later read, without
+// waiting or taking registers (prefetch.global.L2, one per 128-byte line, on NVIDIA); elsewhere
+// nothing. More DRAM requests in flight than the shared memory of a copy pipeline holds.
+template <int kBytes>
+HK_DEVICE void prefetch_l2(const void* gmem) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__)
+#pragma unroll
+  for (int i = 0; i < kBytes; i += 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(gmem) + i));
+#else
+  (void)gmem;
+#endif
+}
+
 // A 16-byte global load of data read once (expert weights streamed past): on NVIDIA it bypasses
 // L1 (`ld.global.nc.L1::no_allocate`), leaving L1 to the data that is read again; elsewhere a
 // plain load. p must be 16-byte aligned and the memory unchanged while the kernel runs.
