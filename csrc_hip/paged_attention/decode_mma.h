@@ -7,9 +7,11 @@
 //     (rows of masked tokens zero-filled, never read) while the waves compute tile i. The rows' cache
 //     offsets come from shared memory, made one tile earlier from block ids read from the block
 //     table a tile before that (one thread per row, into a register), so neither a copy nor the
-//     reading thread's wave waits on a block-table load. Where copies
-//     are synchronous (CDNA here) one stage is used: 64 KB of LDS holds no more, and it does not fit
-//     head size 256 at all (the launcher reports it; the Python op rejects it first).
+//     reading thread's wave waits on a block-table load. In long partitions the blocks of up to 32
+//     heads also ask L2 for each tile's rows when its offsets are made (one tile more of DRAM
+//     requests in flight than the stages hold: kPrefetch). Where copies are synchronous (CDNA here)
+//     one stage is used: 64 KB of LDS holds no more, and it does not fit head size 256 at all (the
+//     launcher reports it; the Python op rejects it first).
 //   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
 //     its kTile / WN tokens, S = Q K^T (MmaTile, fp32), the online softmax in the log2 domain on the
 //     accumulators, and O += P V with P rounded to the cache dtype (as flash attention does).
@@ -52,8 +54,8 @@ struct Cfg {
   static constexpr bool kWg = kWgmma && WM == 4 && !kSmall;  // two warpgroups: 64 heads x 32 tokens each
   static constexpr int kTile = kSmall ? 32 : 64;  // tokens per pipeline stage
   static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;  // (wgmma, head 256: 3 fit, no faster)
-  // L2 prefetch of the tile after the copies' (in long partitions): where the two-three blocks per SM
-  // stream one KV head each; the 64-head and v6 blocks measured slower with it (NOTES.md).
+  // L2 prefetch of the tile after the copies' (in long partitions): v16's blocks of up to 32 heads;
+  // the 64-head (wgmma) and v6 blocks measured slower with it (NOTES.md, 2026-11-25).
   static constexpr bool kPrefetch = !kWg && !kSmall;
   static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
   static constexpr int kRows = 16 * WM;      // query heads per block
