@@ -206,9 +206,11 @@ HK_DEVICE void async_copy_wait_pending() {
 #endif
 }
 
-// Ask L2 to fetch the `bytes` (a multiple of 128) at 128-byte aligned gmem for a later read, without
-// waiting or taking registers (prefetch.global.L2, one per 128-byte line, on NVIDIA); elsewhere
-// nothing. More DRAM requests in flight than the shared memory of a copy pipeline holds.
+// Ask L2 for the kBytes (a multiple of 128) at gmem ahead of a later read, without waiting or taking
+// registers: prefetch.global.L2 of the line holding each gmem + 128 i on NVIDIA (exactly those bytes
+// where gmem is 128-byte aligned; a hint, so an unaligned row only misses its tail), nothing
+// elsewhere. Every such address must lie in the allocation. More DRAM requests in flight than the
+// shared memory of a copy pipeline holds.
 template <int kBytes>
 HK_DEVICE void prefetch_l2(const void* gmem) {
 #if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__)
