@@ -8,6 +8,8 @@ import hipkern
 from hipkern.ops.paged_attention import ALIASES, VARIANTS
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import checkAllclose, poison
+from hipkern.tune.core import Candidate
+from hipkern.tune.paged_attention import pinned
 
 # Output: fp32 accumulation rounded once to the output dtype (half an ulp: 2^-9 bf16, 2^-12 fp16).
 TOL = {torch.bfloat16: dict(atol=8e-3, rtol=8e-3), torch.float16: dict(atol=1e-3, rtol=1e-3)}
@@ -109,9 +111,6 @@ def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end():
     assert k.numel() > 2**31
     for variant in VARIANT_NAMES:
         run_and_check((q, k, v, bt, cl), variant=variant)
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     with pinned(Candidate.of("v16", partition_size=65536)):  # 18 tiles in one partition: prefetched
         run_and_check((q, k, v, bt, cl), variant=None)
 
@@ -122,9 +121,6 @@ def test_invalid_metadata_never_reads_out_of_bounds(n):
     """Invalid block ids (negative, past the cache) and a context length past the block-table row, with
     NaN in every block the table does not name; at 1500 tokens also through v16's unsplit 16-head
     blocks, which ask L2 for each tile's rows ahead of their copies."""
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     q, k, v, bt, cl = make_case([n, n], num_kv_heads=1, group=4)
     bt[0, 1] = -5
     bt[0, n // 32] = -7
@@ -169,9 +165,6 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(variant):
 def test_pinned_partition_sizes_on_two_streams(partition_size):
     """Partition boundaries +-1, up to 64 partitions and an empty context in one batch, each variant
     pinned to a partition size, on the default and a side stream."""
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     lens = [0, 1, partition_size - 1, partition_size, partition_size + 1, 3 * partition_size + 7, 4096]
     case = make_case(lens, num_kv_heads=2, group=8, seed=partition_size)
     side = torch.cuda.Stream()
@@ -192,9 +185,6 @@ def test_pinned_partition_sizes_on_two_streams(partition_size):
 def test_per_sequence_split_one_long_among_short(blocks_per_slot, group):
     """v5: one long sequence among many short and empty ones, at each split target (64: far more
     partitions than tiles, so every partition is one tile), on poisoned outputs."""
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     lens = [1, 17, 0, 65, 70000, 3, 64, 0, 129, 2000] * 3
     case = make_case(lens, num_kv_heads=2 if group < 64 else 1, group=group, head_size=64, seed=blocks_per_slot)
     with pinned(Candidate.of("v5", blocks_per_slot=blocks_per_slot)):
@@ -215,9 +205,6 @@ def test_per_sequence_split_at_its_sequence_limit():
 @pytest.mark.gpu
 def test_per_sequence_variant_from_the_database_above_its_limit_runs_v16():
     from hipkern.ops.paged_attention import MAX_PER_SEQUENCE_SEQS
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     case = make_case([5, 40] * (MAX_PER_SEQUENCE_SEQS // 2 + 1), num_kv_heads=1, group=4, head_size=64, extra_blocks=0)
     with pinned(Candidate.of("v5")):
         run_and_check(case, variant=None)
@@ -229,9 +216,6 @@ def test_per_sequence_variant_from_the_database_above_its_limit_runs_v16():
 def test_group_split_over_blocks(heads_per_block, head_size):
     """A GQA group of 64 (and an odd one of 40) taken by 16-, 32- or 64-head blocks (64: one block per
     group, on wgmma where the build has it), split and unsplit."""
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     for group in (64, 40):
         case = make_case([1, 63, 64, 65, 700], num_kv_heads=2, group=group, head_size=head_size, seed=group)
         for extra in ({}, {"partition_size": 64}, {"partition_size": 512}):
@@ -246,9 +230,6 @@ def test_long_partitions_prefetched_into_l2(heads_per_block, head_size):
     """Partitions of 16 tiles and more, where v16's 16- and 32-head blocks ask L2 for each tile's rows a
     tile ahead of their copies: lengths around that threshold (959 / 1023 tokens: 15 / 16 tiles), a
     partition boundary and an empty context, unsplit and split."""
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     lens = [0, 1, 959, 1023, 1024, 1025, 2047, 4103]
     case = make_case(lens, num_kv_heads=2, group=heads_per_block, head_size=head_size,
                      seed=head_size + heads_per_block)
@@ -268,9 +249,6 @@ def test_split_merged_in_clusters(variant, heads_per_block, head_size):
     32-head blocks on a group that also leaves a partly filled block (8 heads)."""
     from hipkern.ops._common import module_for
     from hipkern.ops.paged_attention import merges_in_clusters
-    from hipkern.tune.core import Candidate
-    from hipkern.tune.paged_attention import pinned
-
     group, kv_heads = {16: 24, 32: 40, 64: 64}[heads_per_block], 1
     mod = module_for("paged_attention", torch.cuda.current_device(), dtype="bfloat16", head_size=head_size)
     clusters = torch.cuda.get_device_capability()[0] == 9
