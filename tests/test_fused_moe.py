@@ -717,3 +717,12 @@ def test_reference_zero_tokens_and_bad_activation():
     assert fused_moe_ref(x, w1, w2, w, ids).shape == (0, 16)
     with pytest.raises(ValueError, match="activation"):
         fused_moe_ref(torch.randn(2, 16), w1, w2, torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.int32), "relu")
+
+
+def test_trace_of_a_float32_case_is_refused_before_any_gpu_work():
+    from hipkern.bench import moe as bench
+    from hipkern.bench import moe_trace
+
+    num = next(c.num for c in bench.all_cases() if c.dtype == torch.float32)
+    with pytest.raises(SystemExit, match=f"--case {num}: the traced module is bf16 only"):
+        moe_trace.main(["--case", str(num)])
