@@ -719,10 +719,13 @@ def test_reference_zero_tokens_and_bad_activation():
         fused_moe_ref(torch.randn(2, 16), w1, w2, torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.int32), "relu")
 
 
-def test_trace_of_a_float32_case_is_refused_before_any_gpu_work():
+def test_trace_refuses_float32_and_unknown_cases_before_any_gpu_work():
     from hipkern.bench import moe as bench
     from hipkern.bench import moe_trace
 
     num = next(c.num for c in bench.all_cases() if c.dtype == torch.float32)
     with pytest.raises(SystemExit, match=f"--case {num}: the traced module is bf16 only"):
         moe_trace.main(["--case", str(num)])
+    last = max(c.num for c in bench.all_cases())
+    with pytest.raises(SystemExit, match=f"--case {last + 1}: no such case; the benchmark's cases are 1-{last}"):
+        moe_trace.main(["--case", str(last + 1)])

@@ -55,7 +55,10 @@ def run_case(num: int, calls: int = 20) -> None:
     runs it; for the grouped chain also each GEMM phase's rate over its activated weight bytes."""
     from hipkern.bench import moe as bench
 
-    c = {case.num: case for case in bench.all_cases()}[num]
+    cases = {case.num: case for case in bench.all_cases()}
+    if num not in cases:
+        raise SystemExit(f"--case {num}: no such case; the benchmark's cases are {min(cases)}-{max(cases)}")
+    c = cases[num]
     if c.dtype != torch.bfloat16:
         raise SystemExit(f"--case {num}: the traced module is bf16 only; case {num} is {bench.DTYPE_NAMES[c.dtype]}")
     variant, block_m = bench.launch_config(c, None).split("/")
@@ -63,7 +66,8 @@ def run_case(num: int, calls: int = 20) -> None:
     w, ids = bench.routings(c)[0][0]
     experts = torch.unique(ids).numel()
     gated, down = 2 * experts * c.model_dim * c.inter_dim * 2, experts * c.model_dim * c.inter_dim * 2
-    x = torch.randn(c.tokens, c.model_dim, device="cuda", dtype=c.dtype)
+    g = torch.Generator(device="cuda").manual_seed(c.num + 1000)  # the benchmark's hidden states
+    x = torch.randn(c.tokens, c.model_dim, generator=g, device="cuda", dtype=c.dtype)
     trace(x, w1, w2, w, ids, int(block_m), variant, calls,
           f"{c.header()} ({variant}/{block_m}; {experts} experts: gated {gated / 1e6:.0f} MB, down {down / 1e6:.0f} MB)",
           phase_bytes=(gated, down))
