@@ -87,6 +87,10 @@ template <int WG, int B, int BK, int S> struct InStep<SplitMath<WG, B, BK, S, tr
 };
 typedef typename InStep<M1>::type D1;
 typedef typename InStep<M2>::type D2;
+// The host sizes both variants' plans (n_tiles) from M1's and M2's columns per item.
+template <typename D, typename M, bool Gated>
+constexpr bool kSameCols = hk::fused_moe::GemmCfg<T, D, BM, Gated>::kCols == hk::fused_moe::GemmCfg<T, M, BM, Gated>::kCols;
+static_assert(kSameCols<D1, M1, true> && kSameCols<D2, M2, false>, "the decode variant's tiles cover the grouped ones' columns");
 constexpr bool kHasDecode = BM <= hk::fused_moe::kDecodeMaxBlockM;
 
 // The decode variant where this block_m has one (templates, so that the other branch is never
