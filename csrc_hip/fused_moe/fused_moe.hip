@@ -89,8 +89,10 @@ typedef typename InStep<M1>::type D1;
 typedef typename InStep<M2>::type D2;
 // The host sizes both variants' plans (n_tiles) from M1's and M2's columns per item.
 template <typename D, typename M, bool Gated>
-constexpr bool kSameCols = hk::fused_moe::GemmCfg<T, D, BM, Gated>::kCols == hk::fused_moe::GemmCfg<T, M, BM, Gated>::kCols;
-static_assert(kSameCols<D1, M1, true> && kSameCols<D2, M2, false>, "the decode variant's tiles cover the grouped ones' columns");
+constexpr bool kSameCols =
+    hk::fused_moe::GemmCfg<T, D, BM, Gated>::kCols == hk::fused_moe::GemmCfg<T, M, BM, Gated>::kCols;
+static_assert(kSameCols<D1, M1, true> && kSameCols<D2, M2, false>,
+              "the decode variant's tiles cover the grouped ones' columns");
 constexpr bool kHasDecode = BM <= hk::fused_moe::kDecodeMaxBlockM;
 
 // The decode variant where this block_m has one (templates, so that the other branch is never
@@ -109,6 +111,12 @@ int launch_decode_here(const hk::fused_moe::GemmParams& g1, const hk::fused_moe:
 }
 
 constexpr int kCombineThreads = 256, kSplitThreads = 256;
+
+// A grid for n items of `per` a block, at most `most` blocks (the kernels' grid-stride loops take the rest).
+dim3 capped_grid(int64_t n, int64_t per, int64_t most) {
+  const int64_t want = (n + per - 1) / per;
+  return dim3((unsigned)(want < most ? want : most));
+}
 
 // hidden [rows][dim] (float) as split rows xs / scales (math.h), a warp per 64-column block. The gated
 // GEMM may be scheduled at once (it waits for this grid's end, which implies sorting's: its plan reads
@@ -133,9 +141,9 @@ template <bool kOn = kPreSplit>
 int launch_split_rows(const void* hidden, int64_t rows, int dim, const void* xs, const float* scales, int sms,
                       hipStream_t s) {
   if constexpr (kOn) {
-    const int64_t per = kSplitThreads / 32, want = (rows * ((dim + 63) / 64) + per - 1) / per, most = 8ll * sms;
-    HK_CHECK(hk::launch_dependent(split_rows_kernel<T>, dim3((unsigned)(want < most ? want : most)),
-                                  dim3(kSplitThreads), 0, s, static_cast<const T*>(hidden), rows, dim,
+    const dim3 grid = capped_grid(rows * ((dim + 63) / 64), kSplitThreads / 32, 8ll * sms);  // a warp per 64 columns
+    HK_CHECK(hk::launch_dependent(split_rows_kernel<T>, grid, dim3(kSplitThreads), 0, s, static_cast<const T*>(hidden),
+                                  rows, dim,
                                   static_cast<uint32_t*>(const_cast<void*>(xs)), const_cast<float*>(scales)));
   }
   return 0;
@@ -292,9 +300,8 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   HK_TRY((hk::fused_moe::launch_gemm<T, M1, BM, true>(g1, device, s)));
   HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g2, device, s)));
   const int64_t quads = (int64_t)num_tokens * (dim / 4);
-  const int64_t want = (quads + kCombineThreads - 1) / kCombineThreads, most = 16ll * sms;
-  HK_CHECK(hk::launch_dependent(combine_kernel, dim3((unsigned)(want < most ? want : most)), dim3(kCombineThreads), 0,
-                                s, (const float*)y, topk_ids, expert_map, num_experts, static_cast<T*>(out),
+  HK_CHECK(hk::launch_dependent(combine_kernel, capped_grid(quads, kCombineThreads, 16ll * sms), dim3(kCombineThreads),
+                                0, s, (const float*)y, topk_ids, expert_map, num_experts, static_cast<T*>(out),
                                 (int64_t)num_tokens, topk, dim));
   return 0;
 }
