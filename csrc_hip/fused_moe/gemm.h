@@ -134,8 +134,8 @@ struct GemmCfg {
   static constexpr int kRowStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0, "every thread keeps its chunk column");
   static constexpr int kCols = Gated ? M::kRows / 2 : M::kRows;  // output columns per item
-  // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage | flag
-  // | the math's scratch
+  // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage | (down)
+  // routing weight of each token row, per stage | flag | the math's scratch
   static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
   static constexpr int kX = kStages * M::kToks * M::kLd * (int)sizeof(T);
   static constexpr int kRed = M::kWK * M::kRows * M::kRedLd * 4;
@@ -145,7 +145,8 @@ struct GemmCfg {
   static constexpr bool kRedInScratch = kRed <= M::kScratch;
   static constexpr bool kAlias = kRedInScratch || (kStages == 1 && kRed <= kW + kX);
   static constexpr int kPairsAt = kAlias ? kW + kX : kW + kX + kRed;
-  static constexpr int kFlagAt = kPairsAt + kStages * M::kToks * 4;
+  static constexpr int kTopkAt = kPairsAt + kStages * M::kToks * 4;
+  static constexpr int kFlagAt = kTopkAt + (Gated ? 0 : kStages * M::kToks * 4);
   static constexpr int kScratchAt = round_up(kFlagAt + 16, 1024);  // M's own (1024-byte aligned)
   static constexpr int kRedAt = kRedInScratch ? kScratchAt : kAlias ? 0 : kW + kX;
   static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kFlagAt + 16;
@@ -227,6 +228,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   T* x_s = reinterpret_cast<T*>(smem_raw + C::kW);                // [S][kToks][kLd]
   float* red = reinterpret_cast<float*>(smem_raw + C::kRedAt);  // [kWK][kRows][kRedLd]
   int* pair_s = reinterpret_cast<int*>(smem_raw + C::kPairsAt);  // [S][kToks]
+  float* topk_s = reinterpret_cast<float*>(smem_raw + C::kTopkAt);  // down: [S][kToks]
   int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);     // split: this block's part was the last
 
   // The down GEMM's weights never depend on the GEMM before it: its first stages are requested
@@ -298,8 +300,12 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     const auto wrows = [&](auto body) { C::template for_rows<C::kWCopies, M::kRows>(r0, body); };
     const auto xrows = [&](auto body) { C::template for_rows<C::kXCopies, M::kToks>(r0, body); };
     // The stage's token rows' pairs, for the mma step and the epilogue, even for a stage past the end
-    // of a short last part (split K): its item's epilogue runs on this slot.
-    if (tok && c0 == 0) xrows([&](int j, int m) { pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs; });
+    // of a short last part (split K): its item's epilogue runs on this slot. The down epilogue's
+    // routing weights travel with the stage, so that no item ends on a global load.
+    if (tok && c0 == 0) xrows([&](int j, int m) {
+      pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
+      if (!Gated && xsrc[j]) async_copy4(topk_s + slot * M::kToks + m, p.topk_weights + cur.pair[j]);
+    });
     if (kc >= KS) return;  // past the end of the last part: nothing to load (or compute)
     const int k0 = kc * M::kBK;
     T* ws = w_s + slot * M::kRows * M::kLd;  // + M::at(row, c0)
@@ -362,6 +368,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
     cs.advance(pl, G);
     const int* pairs = pair_s + slot * M::kToks;
+    const float* topk = topk_s + slot * M::kToks;
     if (kc < KS)
       M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs,
               smem_raw + C::kScratchAt);
@@ -398,7 +405,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
           static_cast<T*>(p.out)[(int64_t)pair * p.out_stride + col] =
               from_float<T>(activate(value(r, m), p.activation) * value(r + 8, m));
         else
-          static_cast<float*>(p.out)[(int64_t)pair * p.out_stride + col] = p.topk_weights[pair] * value(r, m);
+          static_cast<float*>(p.out)[(int64_t)pair * p.out_stride + col] = topk[m] * value(r, m);
       }
     };
     auto wave_sum = [&](int r, int m) {
