@@ -236,6 +236,24 @@ def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("d,i", [(128, 248), (200, 256), (200, 264)], ids=["short-split", "short", "long"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_down_tiles_either_side_of_the_short_reduction(dtype, d, i, block_m):
+    """Where inter_dim <= 256 the grouped variant's down GEMM runs its short-reduction tile (fused_moe.hip,
+    kShortK: 128 rows, k-stages of 64), above it the other one: both sides of the threshold, a partial
+    n-tile (D = 200), a last k-stage partly past the reduction (I = 248), and few items (D = 128: one
+    n-tile of the short tile), so that K splits. Uniform and skewed routing (every token on the same two
+    experts: full m-blocks of token rows)."""
+    e, k = 8, 2
+    for t, seed in ((3, 0), (37, 1)):
+        x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=seed)
+        run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped", msg="uniform ")
+        same = torch.tensor([[6, 1]], dtype=torch.int32, device="cuda").repeat(t, 1)
+        run_and_check(x, w1, w2, w, same, block_m=block_m, variant="grouped", msg="skewed ")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_experts_without_tokens_are_never_read(dtype):
     for t, e, k in ((129, 257, 8), (1, 64, 8), (2048, 64, 2)):

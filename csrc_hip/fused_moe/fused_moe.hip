@@ -40,33 +40,44 @@ using hk::fused_moe::SimtMath;
 using hk::fused_moe::SplitMath;
 using hk::fused_moe::WgmmaMath;
 constexpr bool kNv = hk::kAsyncCopy;
+// DownShort: the down GEMM's tile where its reduction (inter_dim) is at most kShortK. There an item
+// is only two k-stages of 128, so its fixed costs (epilogue, next item's bind) weigh: 128 rows in
+// k-stages of 64 (three deep) make items of twice the weight bytes. Where an m-block's token rows are
+// many (skewed routing), that also halves their share of the copies. H100, D 7168, E 256, top-8
+// (NOTES.md, 2026-11-25): at I = 256, 32 tokens, block_m 32 2.5 % faster uniform, 8 % skewed; at
+// I = 512 and 1024 1.2-2 % slower uniform, hence 256.
+constexpr int kShortK = 256;
 template <typename U, int B> struct Tiles;
 template <typename U> struct Tiles<U, 8> {
   typedef MmaMath<U, 1, 4, 8, 512, 4> Gate;
-  typedef MmaMath<U, 4, 1, 8, 128, 4> Down;
+  typedef MmaMath<U, 4, 1, 8, 128, 4> Down, DownShort;
 };
 template <typename U> struct Tiles<U, 16> {
   typedef MmaMath<U, 2, 2, 16, 256, 4> Gate;
   typedef MmaMath<U, 4, 1, 16, 128, 4> Down;
+  typedef std::conditional_t<kNv, MmaMath<U, 8, 1, 16, 64, 3>, Down> DownShort;
 };
 // Where the build has wgmma (sm_90a), block_m 32 / 64 / 128 run their 64 / 128 / 128 rows as
 // warpgroups on it: 2.3-2.9x less compute per stage than mma.sync from 32 tokens up
 // (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
 template <typename U, int WG, int B, int BK, int S, int WR>
 using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S>, MmaMath<U, WR, 1, B, BK, S>>;
-template <typename U> struct Tiles<U, 32> { typedef Matrix<U, 1, 32, 128, 3, 4> Gate, Down; };
-template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4> Gate, Down; };
-template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4> Gate, Down; };
+template <typename U> struct Tiles<U, 32> {
+  typedef Matrix<U, 1, 32, 128, 3, 4> Gate, Down;
+  typedef std::conditional_t<kNv, Matrix<U, 2, 32, 64, 3, 8>, Down> DownShort;
+};
+template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4> Gate, Down, DownShort; };
+template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4> Gate, Down, DownShort; };
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {
   typedef SimtMath<1, kSimtWK, 8, kNv ? 256 : 128, 4> Gate;
-  typedef SimtMath<kSimtRPL, kSimtWK, 8, 128, 4> Down;
+  typedef SimtMath<kSimtRPL, kSimtWK, 8, 128, 4> Down, DownShort;
 };
 template <> struct Tiles<float, 16> {
   typedef SimtMath<1, kSimtWK, 16, kNv ? 256 : 128, 3> Gate;
-  typedef SimtMath<kSimtRPL, kSimtWK, 16, 128, 4> Down;
+  typedef SimtMath<kSimtRPL, kSimtWK, 16, 128, 4> Down, DownShort;
 };
-template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64, 3> Gate, Down; };
+template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64, 3> Gate, Down, DownShort; };
 // float32 at block_m 64 on wgmma where the build has it (SplitMath: scaled fp16 splits, three products
 // a k step, float32 accuracy; 128 rows, so that each weight byte brings fewer token bytes through L2):
 // 2.3x CUDA cores' speed where the arithmetic dominates (the 128-token and larger cases), with the
@@ -74,11 +85,14 @@ template <> struct Tiles<float, 32> { typedef SimtMath<kSimtRPL, kSimtWK, 32, 64
 // slower than SimtMath on the bandwidth-bound shapes, so those keep CUDA cores / VALU, as does every
 // target without wgmma.
 template <> struct Tiles<float, 64> {  // SimtMath: 2 rows a lane spill
-  typedef std::conditional_t<hk::kWgmma, SplitMath<2, 64, 64, 3, true>, SimtMath<1, kSimtWK, 64, 64, 3>> Gate, Down;
+  typedef std::conditional_t<hk::kWgmma, SplitMath<2, 64, 64, 3, true>, SimtMath<1, kSimtWK, 64, 64, 3>> Gate, Down,
+      DownShort;
 };
 typedef typename Tiles<T, BM>::Gate M1;
 typedef typename Tiles<T, BM>::Down M2;
-static_assert(M1::kPreSplit == M2::kPreSplit, "the gated GEMM writes what the down GEMM reads");
+typedef typename Tiles<T, BM>::DownShort M2s;  // M2 where inter_dim <= kShortK (grouped variant only)
+static_assert(M1::kPreSplit == M2::kPreSplit && M2s::kPreSplit == M2::kPreSplit,
+              "the gated GEMM writes what the down GEMM reads");
 constexpr bool kPreSplit = M1::kPreSplit;
 // The decode variant has no pass before its GEMMs: SplitMath splits its tokens per stage there.
 template <typename M> struct InStep { typedef M type; };
@@ -87,7 +101,8 @@ template <int WG, int B, int BK, int S> struct InStep<SplitMath<WG, B, BK, S, tr
 };
 typedef typename InStep<M1>::type D1;
 typedef typename InStep<M2>::type D2;
-// The host sizes both variants' plans (n_tiles) from M1's and M2's columns per item.
+// The host sizes both variants' plans (n_tiles) from M1's and M2's columns per item (M2s' for the
+// grouped variant's short down GEMM).
 template <typename D, typename M, bool Gated>
 constexpr bool kSameCols =
     hk::fused_moe::GemmCfg<T, D, BM, Gated>::kCols == hk::fused_moe::GemmCfg<T, M, BM, Gated>::kCols;
@@ -196,12 +211,13 @@ HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int in
 // partials and ints of counters (which must be zero before the first call; every call leaves them zero).
 HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
   HK_TRY(hk::use_device(device));
-  int64_t f[3], c[3];
+  int64_t f[4], c[4];
   HK_TRY((hk::fused_moe::workspace<T, M1, BM, true>(device, &f[0], &c[0])));
   HK_TRY((hk::fused_moe::workspace<T, M2, BM, false>(device, &f[1], &c[1])));
-  HK_TRY(decode_workspace_here(device, &f[2], &c[2]));
+  HK_TRY((hk::fused_moe::workspace<T, M2s, BM, false>(device, &f[2], &c[2])));
+  HK_TRY(decode_workspace_here(device, &f[3], &c[3]));
   *partial_floats = *counter_ints = 0;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 4; ++i) {
     if (f[i] > *partial_floats) *partial_floats = f[i];
     if (c[i] > *counter_ints) *counter_ints = c[i];
   }
@@ -241,8 +257,10 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   }
   const int num_pairs = num_tokens * topk, max_mblocks = decode ? hk::fused_moe::kDecodePairs : max_padded / BM;
   constexpr int kCols1 = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCols;
-  constexpr int kCols2 = hk::fused_moe::GemmCfg<T, M2, BM, false>::kCols;
-  HK_REQUIRE((int64_t)max_mblocks * ((dim + kCols2 - 1) / kCols2) < (1ll << 31));
+  const bool short_down = !decode && inter_dim <= kShortK;  // the down GEMM on M2s
+  const int cols2 = short_down ? hk::fused_moe::GemmCfg<T, M2s, BM, false>::kCols
+                               : hk::fused_moe::GemmCfg<T, M2, BM, false>::kCols;
+  HK_REQUIRE((int64_t)max_mblocks * ((dim + cols2 - 1) / cols2) < (1ll << 31));
 
   hk::fused_moe::GemmParams g1{};
   g1.sorted_ids = sorted_ids;
@@ -274,7 +292,7 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   g2.w_stride_e = (int64_t)dim * inter_dim;
   g2.K = inter_dim;
   g2.N = dim;
-  g2.n_tiles = (dim + kCols2 - 1) / kCols2;
+  g2.n_tiles = (dim + cols2 - 1) / cols2;
   g2.out = y;
   g2.out_stride = dim;
   g2.topk_weights = topk_weights;
@@ -298,7 +316,10 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   HK_CHECK(hipDeviceGetAttribute(&sms, hipDeviceAttributeMultiprocessorCount, device));
   HK_TRY(launch_split_rows(x, num_tokens, dim, g1.x, g1.x_scale, sms, s));
   HK_TRY((hk::fused_moe::launch_gemm<T, M1, BM, true>(g1, device, s)));
-  HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g2, device, s)));
+  if (short_down)
+    HK_TRY((hk::fused_moe::launch_gemm<T, M2s, BM, false>(g2, device, s)));
+  else
+    HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g2, device, s)));
   const int64_t quads = (int64_t)num_tokens * (dim / 4);
   HK_CHECK(hk::launch_dependent(combine_kernel, capped_grid(quads, kCombineThreads, 16ll * sms), dim3(kCombineThreads),
                                 0, s, (const float*)y, topk_ids, expert_map, num_experts, static_cast<T*>(out),
