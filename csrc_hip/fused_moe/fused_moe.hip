@@ -47,6 +47,12 @@ constexpr bool kNv = hk::kAsyncCopy;
 // (NOTES.md, 2026-11-25): at I = 256, 32 tokens, block_m 32 2.5 % faster uniform, 8 % skewed; at
 // I = 512 and 1024 1.2-2 % slower uniform, hence 256.
 constexpr int kShortK = 256;
+// Where the build has wgmma (sm_90a), block_m 32 / 64 / 128 run their 64 / 128 / 128 rows as
+// warpgroups on it: 2.3-2.9x less compute per stage than mma.sync from 32 tokens up
+// (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
+// So does the short down tile at block_m 16 (H100: case 25 441.0 -> 437.1 us against mma.sync).
+template <typename U, int WG, int B, int BK, int S, int WR>
+using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S>, MmaMath<U, WR, 1, B, BK, S>>;
 template <typename U, int B> struct Tiles;
 template <typename U> struct Tiles<U, 8> {
   typedef MmaMath<U, 1, 4, 8, 512, 4> Gate;
@@ -55,13 +61,8 @@ template <typename U> struct Tiles<U, 8> {
 template <typename U> struct Tiles<U, 16> {
   typedef MmaMath<U, 2, 2, 16, 256, 4> Gate;
   typedef MmaMath<U, 4, 1, 16, 128, 4> Down;
-  typedef std::conditional_t<kNv, MmaMath<U, 8, 1, 16, 64, 3>, Down> DownShort;
+  typedef std::conditional_t<kNv, Matrix<U, 2, 16, 64, 3, 8>, Down> DownShort;
 };
-// Where the build has wgmma (sm_90a), block_m 32 / 64 / 128 run their 64 / 128 / 128 rows as
-// warpgroups on it: 2.3-2.9x less compute per stage than mma.sync from 32 tokens up
-// (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
-template <typename U, int WG, int B, int BK, int S, int WR>
-using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S>, MmaMath<U, WR, 1, B, BK, S>>;
 template <typename U> struct Tiles<U, 32> {
   typedef Matrix<U, 1, 32, 128, 3, 4> Gate, Down;
   typedef std::conditional_t<kNv, Matrix<U, 2, 32, 64, 3, 8>, Down> DownShort;
