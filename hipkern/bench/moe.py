@@ -201,14 +201,19 @@ def launch_config(c: Case, block_m: int | None) -> str:
     return f"{variant}/{bm}"
 
 
+def hidden_states(c: Case) -> torch.Tensor:
+    """The case's hidden states [tokens, model_dim] (seeded by the case number)."""
+    g = torch.Generator(device="cuda").manual_seed(c.num + 1000)
+    return torch.randn(c.tokens, c.model_dim, generator=g, device="cuda", dtype=c.dtype)
+
+
 def bench_case(c: Case, table: BenchTable, cache: WeightCache, iters: int, naive_iters: int,
                block_m: int | None = None) -> bool:
     """Print the case's lines, add its row; True when the check failed."""
     print(c.header(), flush=True)
     w1, w2 = cache.get(c)
     sets, weight_bytes = routings(c)
-    g = torch.Generator(device="cuda").manual_seed(c.num + 1000)
-    x = torch.randn(c.tokens, c.model_dim, generator=g, device="cuda", dtype=c.dtype)
+    x = hidden_states(c)
     out = torch.empty_like(x)
 
     def custom(w, ids):

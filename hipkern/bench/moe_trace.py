@@ -66,9 +66,7 @@ def run_case(num: int, calls: int = 20) -> None:
     w, ids = bench.routings(c)[0][0]
     experts = torch.unique(ids).numel()
     gated, down = 2 * experts * c.model_dim * c.inter_dim * 2, experts * c.model_dim * c.inter_dim * 2
-    g = torch.Generator(device="cuda").manual_seed(c.num + 1000)  # the benchmark's hidden states
-    x = torch.randn(c.tokens, c.model_dim, generator=g, device="cuda", dtype=c.dtype)
-    trace(x, w1, w2, w, ids, int(block_m), variant, calls,
+    trace(bench.hidden_states(c), w1, w2, w, ids, int(block_m), variant, calls,
           f"{c.header()} ({variant}/{block_m}; {experts} experts: gated {gated / 1e6:.0f} MB, down {down / 1e6:.0f} MB)",
           phase_bytes=(gated, down))
 
