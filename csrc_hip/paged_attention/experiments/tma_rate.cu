@@ -22,7 +22,8 @@
 #include <random>
 #include <cuda.h>
 #include <cuda_runtime.h>
-constexpr size_t nblk_all = 2 * 32768;
+// K/V block pairs: 2 x 16 tokens x 8 heads x 256 B = 64 KB each -> 4 GB
+constexpr size_t kPairs = 2 * 32768;
 constexpr int kStages = 3, kTileBytes = 32768, kD = 128, kH = 8, kBlk = 16;
 __device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void bar_init(uint64_t* b, int n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(b)), "r"(n)); }
@@ -103,13 +104,15 @@ __global__ void __launch_bounds__(128) cpasync_kernel(const unsigned char* cache
     for (int j = 0; j < 16; ++j) {
       const int i = threadIdx.x + j * 128;   // chunk of the tile: kv (1) | token (6) | chunk (4)
       const int kv = i >> 10, tok = (i >> 4) & 63, c = i & 15;
-      const int blk = ord[4 * t + tok / 16];
-      size_t g = ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2 + c * 16;
+      size_t g;
       if constexpr (kWhole > 0) {  // pieces of kWhole bytes at random kWhole-aligned places (a hash of block, tile, piece)
         const unsigned pc = i * 16 / kWhole;
         unsigned h = (blockIdx.x * 0x9E3779B9u) ^ (t * 0x85EBCA6Bu) ^ (pc * 0xC2B2AE35u);
         h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12;
-        g = (size_t)(h % (unsigned)((size_t)nblk_all * 65536 / kWhole)) * kWhole + (i * 16) % kWhole;
+        g = (size_t)(h % (unsigned)(kPairs * 65536 / kWhole)) * kWhole + (i * 16) % kWhole;
+      } else {
+        const int blk = ord[4 * t + tok / 16];
+        g = ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2 + c * 16;
       }
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa(dst + i * 16)), "l"(cache + g) : "memory");
     }
@@ -132,8 +135,7 @@ __global__ void __launch_bounds__(128) cpasync_kernel(const unsigned char* cache
   if (acc == 0x12345678) sink[0] = acc;
 }
 int main() {
-  const size_t nblk = 2 * 32768;  // K/V block pairs: 2 x 16 tokens x 8 heads x 256 B = 64 KB each -> 4 GB
-  const size_t bytes = nblk * 2 * kBlk * kH * kD * 2;
+  const size_t bytes = kPairs * 2 * kBlk * kH * kD * 2;
   unsigned char* cache; int* order; unsigned* sink;
   cudaMalloc(&cache, bytes); cudaMemset(cache, 1, bytes); cudaMalloc(&sink, 4);
   typedef CUresult (*Encode)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
@@ -143,7 +145,7 @@ int main() {
   cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
   if (!fn) { printf("no cuTensorMapEncodeTiled\n"); return 1; }
   CUtensorMap km;
-  cuuint64_t dims[3] = {kD, kH, nblk * 2 * kBlk};
+  cuuint64_t dims[3] = {kD, kH, kPairs * 2 * kBlk};
   cuuint64_t strides[2] = {kD * 2, (cuuint64_t)kH * kD * 2};
   cuuint32_t box[3] = {64, 1, kBlk}, es[3] = {1, 1, 1};
   CUresult r = ((Encode)fn)(&km, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, cache, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -162,7 +164,7 @@ int main() {
       if (grid >= 256 && tiles == 512) continue;
       const size_t need = (size_t)grid * tiles * 4;
       std::vector<int> h(need); std::mt19937 g(grid * 7 + tiles);
-      for (auto& x : h) x = (int)(g() % nblk);
+      for (auto& x : h) x = (int)(g() % kPairs);
       cudaMalloc(&order, need * 4); cudaMemcpy(order, h.data(), need * 4, cudaMemcpyHostToDevice);
       for (int v = 0; v < 7; ++v) {
         float best = 1e9;
