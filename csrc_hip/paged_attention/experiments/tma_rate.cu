@@ -12,7 +12,12 @@
 // Grids of 1 and 4 blocks (a block's rate alone) and 256 / 264 blocks of 32 tiles (the bytes of
 // batch 32 x 2048 x 8 KV heads). "pieces N": cp.async of the same bytes in contiguous pieces of N
 // bytes at random places: 4 KB is a block of one head in HND, 32 KB a 16-token block's K or V for all
-// 8 heads in NHD (what a block over every KV head of a sequence would read). Results: NOTES.md, 2026-11-25 (19).
+// 8 heads in NHD (what a block over every KV head of a sequence would read). "seq NHD" / "seq HND": the
+// rows as decode reads them, the 8 neighbouring blocks of a sequence reading the 8 heads of the same
+// cache blocks (the plain modes give each block cache blocks of its own, so 7/8 of every cache block is
+// never read). Caution for one block alone: the row modes load the block ids (order[]) from global
+// memory before each tile's copies, the pieces modes hash them, so only the full grids compare
+// patterns. Results: NOTES.md, 2026-11-25 (19) and (20).
 //   nvcc -std=c++17 -O3 -arch=sm_90a -o /tmp/tma_rate csrc_hip/paged_attention/experiments/tma_rate.cu && /tmp/tma_rate
 // the same rows (256 B each, 2 KB apart).
 #include <cstdio>
@@ -93,11 +98,14 @@ __global__ void __launch_bounds__(160) tma_kernel(const __grid_constant__ CUtens
   if (acc == 0x12345678) sink[0] = acc;
 }
 // cp.async: all 128 threads, 16 B each, rows of 256 B (token, head) 2 KB apart.
-template <bool kPf, int kWhole = 0>
+// kSeq: the kH blocks b = kH * s + h read the same cache blocks (the heads of sequence s, as decode reads
+// them: every row of a cache block is read, by kH neighbouring blocks), not blocks of their own.
+// kHnd: the cache as [pairs][K, V][8 heads][16 tokens][128] (one head of a block is 4 KB in one piece).
+template <bool kPf, int kWhole = 0, bool kSeq = false, bool kHnd = false>
 __global__ void __launch_bounds__(128) cpasync_kernel(const unsigned char* cache, const int* order, int tiles, unsigned* sink) {
   extern __shared__ __align__(1024) unsigned char sm[];
   const int head = blockIdx.x % kH;
-  const int* ord = order + (size_t)blockIdx.x * tiles * 4;
+  const int* ord = order + (size_t)(kSeq ? blockIdx.x / kH : blockIdx.x) * tiles * 4;
   auto issue = [&](int t) {
     unsigned char* dst = sm + (t % kStages) * kTileBytes;
 #pragma unroll
@@ -112,7 +120,8 @@ __global__ void __launch_bounds__(128) cpasync_kernel(const unsigned char* cache
         g = (size_t)(h % (unsigned)(kPairs * 65536 / kWhole)) * kWhole + (i * 16) % kWhole;
       } else {
         const int blk = ord[4 * t + tok / 16];
-        g = ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2 + c * 16;
+        g = kHnd ? ((((size_t)(blk * 2 + kv) * kH + head) * kBlk + tok % 16) * kD) * 2 + c * 16
+                 : ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2 + c * 16;
       }
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa(dst + i * 16)), "l"(cache + g) : "memory");
     }
@@ -155,9 +164,12 @@ int main() {
   for (auto k : {tma_kernel<false>, tma_kernel<true>}) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   for (auto k : {cpasync_kernel<false>, cpasync_kernel<true>})
     cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  for (auto k : {cpasync_kernel<false, 1024>, cpasync_kernel<false, 4096>, cpasync_kernel<false, 32768>})
+  for (auto k : {cpasync_kernel<false, 1024>, cpasync_kernel<false, 4096>, cpasync_kernel<false, 32768>,
+                 cpasync_kernel<false, 0, true>, cpasync_kernel<true, 0, true>, cpasync_kernel<false, 0, true, true>,
+                 cpasync_kernel<false, 0, false, true>})
     cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const char* names[7] = {"tma", "cp.async", "tma+pf", "cp.async+pf", "pieces 1KB", "pieces 4KB", "pieces 32KB"};
+  const char* names[11] = {"tma", "cp.async", "tma+pf", "cp.async+pf", "pieces 1KB", "pieces 4KB", "pieces 32KB",
+                           "seq NHD", "seq NHD+pf", "seq HND", "HND"};
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
   for (int grid : {1, 4, 256, 264}) {
     for (int tiles : {32, 512}) {
@@ -166,7 +178,7 @@ int main() {
       std::vector<int> h(need); std::mt19937 g(grid * 7 + tiles);
       for (auto& x : h) x = (int)(g() % kPairs);
       cudaMalloc(&order, need * 4); cudaMemcpy(order, h.data(), need * 4, cudaMemcpyHostToDevice);
-      for (int v = 0; v < 7; ++v) {
+      for (int v = 0; v < 11; ++v) {
         float best = 1e9;
         for (int rep = 0; rep < 7; ++rep) {
           cudaMemset(sink, 0, 4);  // (between calls: no L2 flush; the order is random over 4 GB)
@@ -178,6 +190,10 @@ int main() {
           if (v == 4) cpasync_kernel<false, 1024><<<grid, 128, smem>>>(cache, order, tiles, sink);
           if (v == 5) cpasync_kernel<false, 4096><<<grid, 128, smem>>>(cache, order, tiles, sink);
           if (v == 6) cpasync_kernel<false, 32768><<<grid, 128, smem>>>(cache, order, tiles, sink);
+          if (v == 7) cpasync_kernel<false, 0, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
+          if (v == 8) cpasync_kernel<true, 0, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
+          if (v == 9) cpasync_kernel<false, 0, true, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
+          if (v == 10) cpasync_kernel<false, 0, false, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
           cudaEventRecord(b); cudaEventSynchronize(b);
           float ms; cudaEventElapsedTime(&ms, a, b); best = std::min(best, ms);
         }
