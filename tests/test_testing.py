@@ -240,3 +240,14 @@ def test_run_graphtest_replays_one_call_per_rotated_copy():
     assert torch.equal(out, x * 2)  # the last captured call's output, written by the replays
     with pytest.raises(ValueError, match="num_iters must be >= 1"):
         run_graphtest(f, x, num_iters=0)
+
+
+@pytest.mark.gpu
+def test_bench_device_line_names_the_unit_and_its_copy_rate():
+    from hipkern.bench import device_line
+
+    line = device_line()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert props.name in line and str(props.uuid) in line
+    rate = float(re.search(r"copy_ of 1 GiB here ([0-9.]+) TB/s", line).group(1))
+    assert 0.05 < rate < 20  # any real GPU's copy rate; a zero, negative or absurd timing fails

@@ -4,3 +4,24 @@ Each benchmark checks the op against its reference with checkAllclose on every s
 it, prints the reference logs' table format plus bandwidth, and writes CSV under --out.
 """
 COPY_BW_TBPS = 3.0  # measured H100 device-to-device copy bandwidth (read + write), DESIGN.md
+
+
+def device_line() -> str:
+    """The GPU this run is on: its name, its UUID and its own copy rate (a 1 GiB ``copy_``, events).
+
+    Units of one model differ: two H100s ran fused_moe's same code ~5 % apart (fused_moe NOTES.md,
+    2026-11-25), so runs from different units compare only through this line.
+    """
+    import torch
+
+    from hipkern.testing import run_perftest
+
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    _, us = run_perftest(dst.copy_, src, num_iters=20)
+    del src, dst
+    tbps = 2 * (1 << 30) / us / 1e6
+    return (f"# device {dev}: {props.name}, uuid {getattr(props, 'uuid', 'unknown')}; copy_ of 1 GiB here "
+            f"{tbps:.3f} TB/s read + write (the bars' reference: {COPY_BW_TBPS:.1f} TB/s)")

@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("hipkern.bench needs a GPU visible to torch", file=sys.stderr)
         return 2
+    from . import device_line
+
+    print(device_line(), flush=True)
     failures = 0
     for n in names:
         fn = {**BENCHES, **EXTRA}[n]
