@@ -35,7 +35,9 @@ struct Smem {  // floats; the merge area reuses the tile area once every wave is
 };
 
 // Blocks that must fit on one SM at once (CUDA): caps registers at 128 per thread for head <= 128
-// so that enough waves keep loads in flight; head 256 needs more registers.
+// so that enough waves keep loads in flight; head 256 needs more registers. (8 heads of 128 spill 28
+// bytes at that cap; 3 blocks at 159 registers measured up to 8-33 % slower on the H100 at batch >= 32,
+// 10 % faster only at batch 1: NOTES.md, 2026-11-25 (20).)
 template <int D> constexpr int min_blocks() { return D <= 128 ? 4 : 2; }
 
 template <typename T, int D, int HPB>
