@@ -101,6 +101,11 @@ __global__ void __launch_bounds__(160) tma_kernel(const __grid_constant__ CUtens
 // kSeq: the kH blocks b = kH * s + h read the same cache blocks (the heads of sequence s, as decode reads
 // them: every row of a cache block is read, by kH neighbouring blocks), not blocks of their own.
 // kHnd: the cache as [pairs][K, V][8 heads][16 tokens][128] (one head of a block is 4 KB in one piece).
+template <bool kHnd>
+__device__ __forceinline__ size_t row_at(int blk, int kv, int tok, int head) {  // byte offset of a row's start
+  return kHnd ? ((((size_t)(blk * 2 + kv) * kH + head) * kBlk + tok % 16) * kD) * 2
+              : ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2;
+}
 template <bool kPf, int kWhole = 0, bool kSeq = false, bool kHnd = false>
 __global__ void __launch_bounds__(128) cpasync_kernel(const unsigned char* cache, const int* order, int tiles, unsigned* sink) {
   extern __shared__ __align__(1024) unsigned char sm[];
@@ -119,16 +124,14 @@ __global__ void __launch_bounds__(128) cpasync_kernel(const unsigned char* cache
         h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12;
         g = (size_t)(h % (unsigned)(kPairs * 65536 / kWhole)) * kWhole + (i * 16) % kWhole;
       } else {
-        const int blk = ord[4 * t + tok / 16];
-        g = kHnd ? ((((size_t)(blk * 2 + kv) * kH + head) * kBlk + tok % 16) * kD) * 2 + c * 16
-                 : ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2 + c * 16;
+        g = row_at<kHnd>(ord[4 * t + tok / 16], kv, tok, head) + c * 16;
       }
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa(dst + i * 16)), "l"(cache + g) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     if (kPf && t + 1 < tiles) {  // L2 prefetch of the next tile's rows: thread i, row i % 64 of K or V
       const int kv = threadIdx.x >> 6, tok = threadIdx.x & 63, blk = ord[4 * (t + 1) + tok / 16];
-      const unsigned char* row = cache + ((((size_t)(blk * 2 + kv) * kBlk + tok % 16) * kH + head) * kD) * 2;
+      const unsigned char* row = cache + row_at<kHnd>(blk, kv, tok, head);
       asm volatile("prefetch.global.L2 [%0];\n\tprefetch.global.L2 [%1];" ::"l"(row), "l"(row + 128));
     }
   };
@@ -161,15 +164,20 @@ int main() {
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) { printf("encode failed %d\n", (int)r); return 1; }
   const int smem = kStages * kTileBytes + 64;
+  typedef void (*CpKernel)(const unsigned char*, const int*, int, unsigned*);
+  struct Mode { const char* name; CpKernel cp; bool tma_pf; };  // cp null: the TMA kernel (with L2 prefetch: tma_pf)
+  const Mode modes[] = {{"tma", nullptr, false}, {"cp.async", cpasync_kernel<false>, false},
+                        {"tma+pf", nullptr, true}, {"cp.async+pf", cpasync_kernel<true>, false},
+                        {"pieces 1KB", cpasync_kernel<false, 1024>, false},
+                        {"pieces 4KB", cpasync_kernel<false, 4096>, false},
+                        {"pieces 32KB", cpasync_kernel<false, 32768>, false},
+                        {"seq NHD", cpasync_kernel<false, 0, true>, false},
+                        {"seq NHD+pf", cpasync_kernel<true, 0, true>, false},
+                        {"seq HND", cpasync_kernel<false, 0, true, true>, false},
+                        {"HND", cpasync_kernel<false, 0, false, true>, false}};
   for (auto k : {tma_kernel<false>, tma_kernel<true>}) cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  for (auto k : {cpasync_kernel<false>, cpasync_kernel<true>})
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  for (auto k : {cpasync_kernel<false, 1024>, cpasync_kernel<false, 4096>, cpasync_kernel<false, 32768>,
-                 cpasync_kernel<false, 0, true>, cpasync_kernel<true, 0, true>, cpasync_kernel<false, 0, true, true>,
-                 cpasync_kernel<false, 0, false, true>})
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const char* names[11] = {"tma", "cp.async", "tma+pf", "cp.async+pf", "pieces 1KB", "pieces 4KB", "pieces 32KB",
-                           "seq NHD", "seq NHD+pf", "seq HND", "HND"};
+  for (const Mode& m : modes)
+    if (m.cp) cudaFuncSetAttribute(m.cp, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
   for (int grid : {1, 4, 256, 264}) {
     for (int tiles : {32, 512}) {
@@ -178,28 +186,20 @@ int main() {
       std::vector<int> h(need); std::mt19937 g(grid * 7 + tiles);
       for (auto& x : h) x = (int)(g() % kPairs);
       cudaMalloc(&order, need * 4); cudaMemcpy(order, h.data(), need * 4, cudaMemcpyHostToDevice);
-      for (int v = 0; v < 11; ++v) {
+      for (const Mode& m : modes) {
         float best = 1e9;
         for (int rep = 0; rep < 7; ++rep) {
           cudaMemset(sink, 0, 4);  // (between calls: no L2 flush; the order is random over 4 GB)
           cudaEventRecord(a);
-          if (v == 0) tma_kernel<false><<<grid, 160, smem>>>(km, order, tiles, sink);
-          if (v == 1) cpasync_kernel<false><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 2) tma_kernel<true><<<grid, 160, smem>>>(km, order, tiles, sink);
-          if (v == 3) cpasync_kernel<true><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 4) cpasync_kernel<false, 1024><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 5) cpasync_kernel<false, 4096><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 6) cpasync_kernel<false, 32768><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 7) cpasync_kernel<false, 0, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 8) cpasync_kernel<true, 0, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 9) cpasync_kernel<false, 0, true, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
-          if (v == 10) cpasync_kernel<false, 0, false, true><<<grid, 128, smem>>>(cache, order, tiles, sink);
+          if (m.cp) m.cp<<<grid, 128, smem>>>(cache, order, tiles, sink);
+          else if (m.tma_pf) tma_kernel<true><<<grid, 160, smem>>>(km, order, tiles, sink);
+          else tma_kernel<false><<<grid, 160, smem>>>(km, order, tiles, sink);
           cudaEventRecord(b); cudaEventSynchronize(b);
           float ms; cudaEventElapsedTime(&ms, a, b); best = std::min(best, ms);
         }
         const double gb = (double)grid * tiles * kTileBytes / 1e9;
         printf("%-11s grid %4d tiles %4d: %8.1f us %7.1f GB/s total %6.1f GB/s per block %6.0f ns/tile/block\n",
-               names[v], grid, tiles, best * 1e3, gb / (best * 1e-3), gb / grid / (best * 1e-3),
+               m.name, grid, tiles, best * 1e3, gb / (best * 1e-3), gb / grid / (best * 1e-3),
                best * 1e6 / tiles);
       }
       cudaFree(order);
