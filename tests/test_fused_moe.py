@@ -2,6 +2,10 @@
 counts, sizes that are not multiples of the tiles, every block_m, both activations, skewed and
 expert-parallel routing; graphs, determinism and torch.compile; argument checks on any device."""
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -251,6 +255,50 @@ def test_down_tiles_either_side_of_the_short_reduction(dtype, d, i, block_m):
         run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped", msg="uniform ")
         same = torch.tensor([[6, 1]], dtype=torch.int32, device="cuda").repeat(t, 1)
         run_and_check(x, w1, w2, w, same, block_m=block_m, variant="grouped", msg="skewed ")
+
+
+TMA_CASES = [  # (t, d, i, e, k, block_m, skewed, half remote): tiles whose down weights are tensor-map boxes
+    (37, 200, 72, 8, 2, 16, False, True), (37, 200, 256, 8, 2, 32, True, False), (129, 200, 72, 16, 2, 128, False, True),
+    (5, 128, 248, 8, 2, 16, True, False),
+]
+
+
+def _tma_case(n):
+    """TMA_CASES[n]'s inputs (seeded by n): x, w1, w2, weights, ids, expert_map, block_m."""
+    t, d, i, e, k, bm, skewed, remote = TMA_CASES[n]
+    x, w1, w2, w, ids = make_case(t, d, i, e, k, torch.bfloat16, seed=n)
+    emap = None
+    if skewed:
+        ids = torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1)
+    if remote:
+        emap, w1, w2, _ = half_remote(e, w1, w2, seed=n)
+    return x, w1, w2, w, ids, emap, bm
+
+
+def _tma_case_outputs():
+    outs = []
+    for n in range(len(TMA_CASES)):
+        x, w1, w2, w, ids, emap, bm = _tma_case(n)
+        outs.append(hipkern.fused_moe(x, w1, w2, w, ids, expert_map=emap, block_m=bm, variant="grouped").cpu())
+    return outs
+
+
+@pytest.mark.gpu
+def test_down_weights_by_tensor_map_match_the_thread_copies(tmp_path):
+    """On sm_90 the down GEMM's 64-column weight stages (the short-reduction tile at block_m 16 / 32, block_m
+    128) are tensor-map boxes copied by one thread (gemm.h, hipkern/tma.h), zeros outside w2 standing for
+    the threads' zero-filled copies: rows past D, columns past I, remote experts. Bitwise the same outputs
+    as the threads' copies (HIPKERN_NO_TMA=1, a process of its own), and right against the reference."""
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_fused_moe as t; "
+            "torch.save(t._tma_case_outputs(), %r)" % (str(pathlib.Path(__file__).parent), str(tmp_path / "copies.pt")))
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HIPKERN_NO_TMA="1"), capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    copies = torch.load(tmp_path / "copies.pt")
+    for n, (box, copy) in enumerate(zip(_tma_case_outputs(), copies)):
+        assert torch.equal(box, copy), f"tensor-map and thread copies differ for {TMA_CASES[n]}"
+        x, w1, w2, w, ids, emap, bm = _tma_case(n)
+        run_and_check(x, w1, w2, w, ids, expert_map=emap, block_m=bm, variant="grouped", msg=f"tma case {n} ")
 
 
 @pytest.mark.gpu

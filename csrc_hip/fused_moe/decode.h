@@ -186,6 +186,8 @@ struct DecodeCfg {
 template <typename T, typename M1, typename M2, int BM>
 __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmParams g1, GemmParams g2, DecodeArgs d) {
   typedef DecodeCfg<T, M1, M2, BM> C;
+  // g1 and g2 are changed here, so not grid constants: no tensor map may be read from them.
+  static_assert(!GemmCfg<T, M1, BM, true>::kTmaW && !GemmCfg<T, M2, BM, false>::kTmaW, "copies by the threads");
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms
   Route<BM>& r = *reinterpret_cast<Route<BM>*>(smem_raw + C::kRouteAt);
   trace_point(0);

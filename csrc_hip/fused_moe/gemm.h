@@ -23,6 +23,7 @@
 
 #include "math.h"
 #include "hipkern/launch.h"
+#include "hipkern/tma.h"
 
 namespace hk {
 namespace fused_moe {
@@ -68,6 +69,12 @@ struct GemmParams {
   float* partials;
   int* counters;
   int max_split_items;
+  // The down GEMM's weights as a tensor map (hipkern/tma.h) of w [num_experts][N][K], boxes of
+  // M::kRows rows x 64 columns, where GemmCfg::kTmaW and w_tma (set by launch_gemm): each stage's
+  // weight tile is then one copy by thread 0 (rows past N, columns past K and invalid experts come
+  // out as zeros), completing on the stage's mbarrier.
+  int w_tma;
+  TensorMap w_map;
 };
 
 constexpr int kMaxSplit = 16;
@@ -134,8 +141,12 @@ struct GemmCfg {
   static constexpr int kRowStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0, "every thread keeps its chunk column");
   static constexpr int kCols = Gated ? M::kRows / 2 : M::kRows;  // output columns per item
+  // The weight stages by tensor map (GemmParams::w_map) where the build and the tile allow it.
+  static constexpr bool kTmaW = kTma && !Gated && M::kWeightBox && kStages > 1;
+  static constexpr int kWBytes = M::kRows * M::kLd * (int)sizeof(T);  // one stage's weight tile
   // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage | (down)
-  // routing weight of each token row, per stage | flag | the math's scratch
+  // routing weight of each token row, per stage | flag | (kTmaW) an mbarrier per stage | the math's
+  // scratch
   static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
   static constexpr int kX = kStages * M::kToks * M::kLd * (int)sizeof(T);
   static constexpr int kRed = M::kWK * M::kRows * M::kRedLd * 4;
@@ -147,9 +158,11 @@ struct GemmCfg {
   static constexpr int kPairsAt = kAlias ? kW + kX : kW + kX + kRed;
   static constexpr int kTopkAt = kPairsAt + kStages * M::kToks * 4;
   static constexpr int kFlagAt = kTopkAt + (Gated ? 0 : kStages * M::kToks * 4);
-  static constexpr int kScratchAt = round_up(kFlagAt + 16, 1024);  // M's own (1024-byte aligned)
+  static constexpr int kBarAt = kFlagAt + 16, kBarEnd = kBarAt + (kTmaW ? 8 * kStages : 0);
+  static constexpr int kScratchAt = round_up(kBarEnd, 1024);  // M's own (1024-byte aligned)
   static constexpr int kRedAt = kRedInScratch ? kScratchAt : kAlias ? 0 : kW + kX;
-  static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kFlagAt + 16;
+  static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kBarEnd;
+  static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
   static_assert(M::kToks >= BM, "token rows");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
@@ -230,6 +243,15 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   int* pair_s = reinterpret_cast<int*>(smem_raw + C::kPairsAt);  // [S][kToks]
   float* topk_s = reinterpret_cast<float*>(smem_raw + C::kTopkAt);  // down: [S][kToks]
   int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);     // split: this block's part was the last
+  uint64_t* bar_s = reinterpret_cast<uint64_t*>(smem_raw + C::kBarAt);  // kTmaW: [S] weight stages landed
+  const bool tma = C::kTmaW && p.w_tma;
+  if (tma) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < S; ++s) mbar_init(bar_s + s, 1);
+      mbar_init_fence();
+    }
+    __syncthreads();
+  }
 
   // The down GEMM's weights never depend on the GEMM before it: its first stages are requested
   // before waiting for it (with asynchronous copies; CDNA's single synchronous stage cannot).
@@ -310,6 +332,13 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     const int k0 = kc * M::kBK;
     T* ws = w_s + slot * M::kRows * M::kLd;  // + M::at(row, c0)
     T* xs = x_s + slot * M::kToks * M::kLd;
+    if (tma) {  // the weight tile as one box; the threads copy the token rows
+      if (wgt && threadIdx.x == 0) {
+        mbar_expect(bar_s + slot, C::kWBytes);
+        tma_load_3d(ws, &p.w_map, k0, cur.nt * C::kCols, cur.expert, bar_s + slot);
+      }
+      wgt = false;
+    }
     if (whole && k0 + M::kBK <= p.K) {
       if (wgt) wrows([&](int j, int r) { async_copy16(ws + M::at(r, c0), wsrc[j] + k0); });
       if (tok) xrows([&](int j, int m) {
@@ -352,7 +381,14 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   }
   typename M::Acc acc;
   M::zero(acc);  // and again after each item's partials are stored
+  uint32_t phase = 0;  // tma: bit s, the parity of slot s's next weight box
   for (int g = 0; g < total; ++g) {
+    const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
+    cs.advance(pl, G);
+    if (tma && kc < KS) {  // the stage's weight box (every stage that computes had one issued)
+      mbar_wait(bar_s + slot, phase >> slot & 1);
+      phase ^= 1u << slot;
+    }
     if constexpr (S == 1) {
       __syncthreads();  // every wave is done with the previous stage
       load(g, true, true);
@@ -365,8 +401,6 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       if (g + S - 1 < total) load(g + S - 1, true, true);
       async_copy_commit();
     }
-    const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
-    cs.advance(pl, G);
     const int* pairs = pair_s + slot * M::kToks;
     const float* topk = topk_s + slot * M::kToks;
     if (kc < KS)
@@ -458,7 +492,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 }
 
 template <typename T, typename M, int BM, bool Gated>
-__global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(GemmParams p) {
+__global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(const HK_GRID_CONSTANT GemmParams p) {
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms
   constexpr int kTrace = Gated ? 0 : 3;
   trace_point(kTrace);
@@ -514,6 +548,17 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
   GemmParams q = p;
   q.max_split_items = split_items(grid);
+  q.w_tma = 0;
+  if constexpr (C::kTmaW) {  // w [num_experts][N][K] in boxes of kRows rows x 64 columns
+    static const bool off = std::getenv("HIPKERN_NO_TMA") != nullptr;  // for comparisons only
+    if (!off) {
+      const uint64_t dims[3] = {(uint64_t)p.K, (uint64_t)p.N, (uint64_t)p.num_experts};
+      const uint64_t strides[2] = {(uint64_t)p.K * sizeof(T), (uint64_t)p.w_stride_e * sizeof(T)};
+      const uint32_t box[3] = {(uint32_t)(128 / sizeof(T)), (uint32_t)M::kRows, 1};
+      HK_TRY(encode_tensor_map(&q.w_map, p.w, (int)sizeof(T), 3, dims, strides, box));
+      q.w_tma = 1;
+    }
+  }
   const int64_t items = (int64_t)p.max_mblocks * p.n_tiles * kMaxSplit;
   if (items < grid) grid = (int)items;
   if (grid < 1) return 0;

@@ -25,6 +25,10 @@
 //   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
 //                                          the copies are fenced for it before the stage's barrier
 //   kScratch                               bytes of shared memory step() needs beside the stages
+//   kWeightBox                             a stage's weight rows are 128-byte-swizzled rows of one
+//                                          64-element atom (Sw128, kBK = 64 at 16 bits): where the
+//                                          build has tensor maps (hipkern/tma.h) the down GEMM copies
+//                                          them as one box
 //   kPreSplit                              the token rows are split rows (SplitMath<..., true>):
 //                                          a stage's token chunk c of row m goes to at_split(m, c),
 //                                          the row's scale for the stage to at_scale(m); the gated
@@ -49,7 +53,7 @@ struct MmaMath {
   static constexpr int kSlice = kBK / WK, kNT = kToks / MT::N;
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
-  static constexpr bool kAsyncReads = false, kPreSplit = false;
+  static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
   static constexpr int kScratch = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
 
@@ -118,6 +122,7 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   typedef Sw128<T, BK> L;
   static constexpr int kLd = BK;  // a stage of R rows spans R * kLd elements (1024-byte atoms)
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
+  static constexpr bool kWeightBox = BK * sizeof(T) == 128;  // one atom a row: a stage's rows are one box
   static HK_DEVICE int at(int r, int c) { return L::at(r, c); }
 
   // All kToks token rows, padding included (zeros or stale rows whose columns are never stored): one
@@ -146,7 +151,7 @@ struct SimtMath {
   static constexpr int kSlice = kBK / WK;
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
-  static constexpr bool kAsyncReads = false, kPreSplit = false;
+  static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
   static constexpr int kScratch = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
 

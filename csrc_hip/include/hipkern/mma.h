@@ -29,8 +29,6 @@ namespace hk {
 
 #if defined(HK_PLATFORM_CUDA)
 
-HK_DEVICE unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-
 // Two floats rounded to one register of T pairs, the first in the low half.
 HK_DEVICE uint32_t pack2(float lo, float hi, bf16_t) {
   uint32_t r;

@@ -84,6 +84,11 @@ constexpr lanemask_t kFullMask = 0xffffffffu;
 
 HK_DEVICE int lane_id() { return threadIdx.x % kWaveSize; }
 
+// The shared-memory address of a generic pointer into shared memory (PTX's 32-bit shared window).
+#if defined(HK_PLATFORM_CUDA)
+HK_DEVICE unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+#endif
+
 // Butterfly shuffle inside a wave. `width` (a power of two <= kWaveSize) limits the exchange to
 // aligned groups of that many lanes. All lanes of the wave must call it (converged).
 template <typename T>
