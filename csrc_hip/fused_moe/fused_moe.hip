@@ -51,8 +51,10 @@ constexpr int kShortK = 256;
 // warpgroups on it: 2.3-2.9x less compute per stage than mma.sync from 32 tokens up
 // (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
 // So does the short down tile at block_m 16 (H100: case 25 441.0 -> 437.1 us against mma.sync).
-template <typename U, int WG, int B, int BK, int S, int WR>
-using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S>, MmaMath<U, WR, 1, B, BK, S>>;
+// Lag 1 (block_m 64 / 128, whose stages carry the most products): one more stage, in which a stage's
+// wgmma still runs while the next stage starts (math.h); mma.sync keeps the stages it had.
+template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0>
+using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag>, MmaMath<U, WR, 1, B, BK, S>>;
 template <typename U, int B> struct Tiles;
 template <typename U> struct Tiles<U, 8> {
   typedef MmaMath<U, 1, 4, 8, 512, 4> Gate;
@@ -67,8 +69,8 @@ template <typename U> struct Tiles<U, 32> {
   typedef Matrix<U, 1, 32, 128, 3, 4> Gate, Down;
   typedef std::conditional_t<kNv, Matrix<U, 2, 32, 64, 3, 8>, Down> DownShort;
 };
-template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4> Gate, Down, DownShort; };
-template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4> Gate, Down, DownShort; };
+template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4, 1> Gate, Down, DownShort; };
+template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 3, kNv ? 8 : 4, 1> Gate, Down, DownShort; };
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {
   typedef SimtMath<1, kSimtWK, 8, kNv ? 256 : 128, 4> Gate;
@@ -95,10 +97,14 @@ typedef typename Tiles<T, BM>::DownShort M2s;  // M2 where inter_dim <= kShortK 
 static_assert(M1::kPreSplit == M2::kPreSplit && M2s::kPreSplit == M2::kPreSplit,
               "the gated GEMM writes what the down GEMM reads");
 constexpr bool kPreSplit = M1::kPreSplit;
-// The decode variant has no pass before its GEMMs: SplitMath splits its tokens per stage there.
+// The decode variant has no pass before its GEMMs: SplitMath splits its tokens per stage there. Its
+// blocks also hold the routing table, for which the lagged wgmma's extra stage leaves no room.
 template <typename M> struct InStep { typedef M type; };
 template <int WG, int B, int BK, int S> struct InStep<SplitMath<WG, B, BK, S, true>> {
   typedef SplitMath<WG, B, BK, S, false> type;
+};
+template <typename U, int WG, int B, int BK, int S, int Lag> struct InStep<WgmmaMath<U, WG, B, BK, S, Lag>> {
+  typedef WgmmaMath<U, WG, B, BK, S - Lag, 0> type;
 };
 typedef typename InStep<M1>::type D1;
 typedef typename InStep<M2>::type D2;

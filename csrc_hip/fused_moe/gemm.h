@@ -134,6 +134,10 @@ template <typename T, typename M, int BM, bool Gated>
 struct GemmCfg {
   static constexpr int kThreads = M::kWaves * kWaveSize;
   static constexpr int kStages = !kAsyncCopy ? 1 : M::kStages;
+  // Stages the loader runs ahead: all but the one being computed and those whose products step()
+  // leaves in flight (M::kLag).
+  static constexpr int kAhead = kStages > 1 ? kStages - 1 - M::kLag : 0;
+  static_assert(kStages == 1 ? M::kLag == 0 : kAhead >= 1, "a stage in flight ahead of the math");
   static constexpr int kVec = 16 / (int)sizeof(T), kChunks = M::kBK / kVec;  // 16-byte chunks per row
   static constexpr int kWCopies = (M::kRows * kChunks + kThreads - 1) / kThreads;
   static constexpr int kXCopies = (M::kToks * kChunks + kThreads - 1) / kThreads;
@@ -236,7 +240,7 @@ struct PdlHooks {
 template <typename T, typename M, int BM, bool Gated, typename Hooks>
 HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Hooks& hooks) {
   typedef GemmCfg<T, M, BM, Gated> C;
-  constexpr int S = C::kStages, KT = C::kThreads;
+  constexpr int S = C::kStages, A = C::kAhead, KT = C::kThreads;
   T* w_s = reinterpret_cast<T*>(smem_raw);                        // [S][kRows][kLd]
   T* x_s = reinterpret_cast<T*>(smem_raw + C::kW);                // [S][kToks][kLd]
   float* red = reinterpret_cast<float*>(smem_raw + C::kRedAt);  // [kWK][kRows][kRedLd]
@@ -265,12 +269,12 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   }
   const int total = ((pl.items - 1 - (int)blockIdx.x) / G + 1) * pl.kss;  // this block's stages
 
-  // The loader runs kStages - 1 stages ahead; it fetches an item's metadata one item ahead too.
+  // The loader runs kAhead stages ahead; it fetches an item's metadata one item ahead too.
   typedef Item<C::kXCopies, C::kChunks, KT> It;
   It cur, nxt;
   cur.fetch(p, pl, blockIdx.x, BM);
   int cur_item = -1;
-  Cursor ld(pl), cs(pl);  // the loader's stage and the consumer's
+  Cursor ld(pl);  // the loader's stage
   const T* w = static_cast<const T*>(p.w);
   const T* x = static_cast<const T*>(p.x);
   // This thread's copy sources for the current item (its chunk of each row; null: the row is not
@@ -366,7 +370,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   // (run once per block) costs instruction-fetch stalls.
   if constexpr (kEarlyWeights) {
 #pragma unroll 1
-    for (int s = 0; s < S - 1; ++s)
+    for (int s = 0; s < A; ++s)
       if (s < total) load(s, true, false);
     // Rewind the loader; the weights join the first group committed below.
     cur.fetch(p, pl, blockIdx.x, BM);
@@ -375,17 +379,18 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     hooks.wait_input();
   }
 #pragma unroll 1
-  for (int s = 0; s < S - 1; ++s) {
+  for (int s = 0; s < A; ++s) {
     if (s < total) load(s, !kEarlyWeights, true);
     async_copy_commit();
   }
   typename M::Acc acc;
   M::zero(acc);  // and again after each item's partials are stored
   uint32_t phase = 0;  // tma: bit s, the parity of slot s's next weight box
-  for (int g = 0; g < total; ++g) {
-    const int slot = g % S, kp = cs.kp, item = cs.item, kc = cs.kc0 + cs.kp;
-    cs.advance(pl, G);
-    if (tma && kc < KS) {  // the stage's weight box (every stage that computes had one issued)
+  // Stage g's top: its copies (and weight box) have landed, every wave is done with the buffer the
+  // loader refills next, which then requests stage g + A. Returns g's slot.
+  auto begin_stage = [&](int g, bool computes) {
+    const int slot = g % S;
+    if (tma && computes) {  // every stage that computes had its weight box issued
       mbar_wait(bar_s + slot, phase >> slot & 1);
       phase ^= 1u << slot;
     }
@@ -393,20 +398,32 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       __syncthreads();  // every wave is done with the previous stage
       load(g, true, true);
     } else {
-      async_copy_wait_pending<S - 2>();
+      async_copy_wait_pending<A - 1>();
       if constexpr (M::kAsyncReads) fence_async_shared();  // the math reads the stage through the async proxy
     }
-    __syncthreads();  // stage g is in shared memory; every wave is done with stage g - 1's buffer
+    __syncthreads();  // stage g is in shared memory; stage g - 1 - kLag's buffer is free
     if constexpr (S > 1) {
-      if (g + S - 1 < total) load(g + S - 1, true, true);
+      if (g + A < total) load(g + A, true, true);
       async_copy_commit();
     }
-    const int* pairs = pair_s + slot * M::kToks;
+    return slot;
+  };
+  // An item (one K part) is kss stages, of which those past K (the end of a short last part) only
+  // keep the stream regular. The math's stages form a loop of their own, drained after it: the
+  // tensor cores' accumulators are then never touched while a product may still be writing them.
+  int g = 0;
+  for (int item = blockIdx.x; item < pl.items; item += G) {
+    const int kc0 = item % pl.split * pl.kss, computes = min(pl.kss, KS - kc0);
+    int slot = 0;
+    for (int kp = 0; kp < computes; ++kp, ++g) {
+      slot = begin_stage(g, true);
+      M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pair_s + slot * M::kToks,
+              p.num_pairs, smem_raw + C::kScratchAt);
+    }
+    M::drain(acc);
+    for (int kp = computes; kp < pl.kss; ++kp, ++g) slot = begin_stage(g, false);
+    const int* pairs = pair_s + slot * M::kToks;  // the item's last stage's
     const float* topk = topk_s + slot * M::kToks;
-    if (kc < KS)
-      M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pairs, p.num_pairs,
-              smem_raw + C::kScratchAt);
-    if (kp != pl.kss - 1) continue;
 
     // Epilogue: the waves' partials meet in shared memory (free again two barriers later).
     if constexpr (C::kAlias) __syncthreads();  // every wave is done with what the partials reuse

@@ -25,6 +25,11 @@
 //   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
 //                                          the copies are fenced for it before the stage's barrier
 //   kScratch                               bytes of shared memory step() needs beside the stages
+//   kLag                                   stages whose products step() may leave in flight when it
+//                                          returns (wgmma groups): their buffers stay in use until
+//                                          kLag more steps have returned, and drain(acc) must run
+//                                          before store(acc)
+//   drain(acc)                             waits until acc holds every step's products
 //   kWeightBox                             a stage's weight rows are 128-byte-swizzled rows of one
 //                                          64-element atom (Sw128, kBK = 64 at 16 bits): where the
 //                                          build has tensor maps (hipkern/tma.h) the down GEMM copies
@@ -54,8 +59,9 @@ struct MmaMath {
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
-  static constexpr int kScratch = 0;
+  static constexpr int kScratch = 0, kLag = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
+  static HK_DEVICE void drain(Acc&) {}
 
   static HK_DEVICE int wr() { return (threadIdx.x / kWaveSize) % WR; }
   static HK_DEVICE int wk() { return (threadIdx.x / kWaveSize) / WR; }
@@ -115,12 +121,17 @@ struct MmaMath {
 // 128-byte rows of shared memory, which cp.async needs to fetch each sector once (a core-matrix
 // layout without swizzle doubled the L2 sectors and ran 1.6x slower). The accumulators have
 // mma.sync's C layout per warp, so Acc, zero() and store() are MmaMath's (warp w: rows 16w ..).
-template <typename T, int WG, int BM, int BK, int Stages>
+// Lag 1: step() returns with its own products still running (it waits only for the previous
+// stage's), so the tensor cores work through the loop's barrier and the next stage's copies; the
+// pipeline then keeps one stage fewer in flight for the copies (gemm.h), hence a deeper one.
+template <typename T, int WG, int BM, int BK, int Stages, int Lag = 0>
 struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   typedef MmaMath<T, 4 * WG, 1, BM, BK, Stages> Base;
   using typename Base::Acc;
   typedef Sw128<T, BK> L;
   static constexpr int kLd = BK;  // a stage of R rows spans R * kLd elements (1024-byte atoms)
+  static constexpr int kLag = Lag;
+  static_assert(Lag == 0 || Lag == 1, "wgmma groups left in flight");
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
   static constexpr bool kWeightBox = BK * sizeof(T) == 128;  // one atom a row: a stage's rows are one box
   static HK_DEVICE int at(int r, int c) { return L::at(r, c); }
@@ -137,8 +148,9 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
     for (int s = 0; s < BK / 16; ++s)
       Wgmma<T, N>::mma(d, wgmma_desc_sw128(w + L::k16(s), L::kSbo), wgmma_desc_sw128(x_s + L::k16(s), L::kSbo));
     wgmma_commit();
-    wgmma_wait<0>();  // the stage's buffers are free again at the loop's next barrier
+    wgmma_wait<Lag>();  // the buffers of the stage Lag steps back are free at the loop's next barrier
   }
+  static HK_DEVICE void drain(Acc&) { wgmma_wait<0>(); }
 };
 
 // fp32: WK waves over the k-slices; lane l owns weight rows l + j * wave size (j < RPL) against every
@@ -152,8 +164,9 @@ struct SimtMath {
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
-  static constexpr int kScratch = 0;
+  static constexpr int kScratch = 0, kLag = 0;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
+  static HK_DEVICE void drain(Acc&) {}
 
   static HK_DEVICE void zero(Acc& a) {
 #pragma unroll
