@@ -263,7 +263,7 @@ def test_down_tiles_either_side_of_the_short_reduction(dtype, d, i, block_m):
 
 TMA_CASES = [  # (t, d, i, e, k, block_m, skewed, half remote): tiles whose down weights are tensor-map boxes
     (37, 200, 72, 8, 2, 16, False, True), (37, 200, 256, 8, 2, 32, True, False), (129, 200, 72, 16, 2, 128, False, True),
-    (5, 128, 248, 8, 2, 16, True, False),
+    (5, 128, 248, 8, 2, 16, True, False), (40, 328, 200, 8, 2, 128, True, False),
 ]
 
 
