@@ -51,8 +51,10 @@ constexpr int kShortK = 256;
 // warpgroups on it: 2.3-2.9x less compute per stage than mma.sync from 32 tokens up
 // (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
 // So does the short down tile at block_m 16 (H100: case 25 441.0 -> 437.1 us against mma.sync).
-// Lag 1 (block_m 64 / 128, whose stages carry the most products): one more stage, in which a stage's
-// wgmma still runs while the next stage starts (math.h); mma.sync keeps the stages it had.
+// Lag 1 (block_m 64 / 128, whose stages carry the most products): a stage's wgmma still runs while the
+// next stage starts (math.h), in one stage more than S (mma.sync keeps S). block_m 64 runs 4 (was 3);
+// block_m 128 keeps the 4 it had, a fifth not fitting beside its partials tile, so its loader runs one
+// stage less ahead (H100, NOTES.md 2026-11-26: block_m 64 -12..15 % on the skewed 128-token cases, 128 -1..4 %).
 template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0>
 using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag>, MmaMath<U, WR, 1, B, BK, S>>;
 template <typename U, int B> struct Tiles;
