@@ -236,6 +236,55 @@ struct PdlHooks {
   HK_DEVICE void item_done(int) const {}
 };
 
+// The last part of a split item group to arrive sums the group's `split` partial tiles (parts) into
+// red's first k-group (free: its own part is published) as [token row][row], for the rows whose pair
+// exists, in part order (deterministic whichever part is last). Each thread sums kU float4s of rows a
+// pass with kP parts' loads of each in flight: a handful of L2 round trips per item, where one element
+// at a time had been one per element (H100, block_m 128: ~35 us per item, and the block that was last
+// fell behind on every item: NOTES.md, 2026-11-26 (2)). Loads in flight: 16 floats a thread, 32 where a
+// thread has 8 float4s or more (more raised the registers of the small tiles' GEMMs).
+template <typename M, int BM, int KT>
+HK_DEVICE void sum_parts(const float* parts, int split, const int* pairs, int num_pairs, float* red) {
+  constexpr int kQ = M::kRows / 4;  // float4s per token row
+  constexpr int kPer = (kQ * BM + KT - 1) / KT;  // float4s per thread
+  constexpr int kU = kPer >= 8 ? 4 : kPer >= 2 ? 2 : 1, kP = kU == 4 ? 2 : 4 / kU;
+  static_assert(M::kRows % 4 == 0 && BM * M::kRows <= M::kRows * M::kRedLd, "red holds the sums");
+#pragma unroll 1
+  for (int q0 = threadIdx.x; q0 < kQ * BM; q0 += kU * KT) {
+    bool ok[kU];
+    float4 s[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int q = q0 + u * KT;
+      ok[u] = q < kQ * BM && pairs[q / kQ] < num_pairs;
+      s[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const float* src = parts + 4 * q0;
+#pragma unroll 1
+    for (int k0 = 0; k0 < split; k0 += kP, src += kP * kSplitFloats<M>) {
+      float4 v[kP][kU];
+#pragma unroll
+      for (int k = 0; k < kP; ++k)
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          v[k][u] = ok[u] && k0 + k < split ? load_coherent4(src + k * kSplitFloats<M> + 4 * u * KT)
+                                               : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < kP; ++k)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          s[u].x += v[k][u].x;
+          s[u].y += v[k][u].y;
+          s[u].z += v[k][u].z;
+          s[u].w += v[k][u].w;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (ok[u]) reinterpret_cast<float4*>(red)[q0 + u * KT] = s[u];
+  }
+}
+
 // One GEMM over the grid (both GEMMs of the op are this function): plan, pipeline, epilogues.
 template <typename T, typename M, int BM, bool Gated, typename Hooks>
 HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Hooks& hooks) {
@@ -484,24 +533,9 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     __syncthreads();
     if (!*last_s) continue;
     __threadfence();
-    // The parts' sums, every part's load of an element in flight at once (a loop over the parts
-    // waits on each load in turn: split L2 round trips per element), into red's first k-group (free:
-    // this part's tile is published), then the outputs from there.
-    const volatile float* parts = p.partials + (int64_t)b * pl.split * kSplitFloats<M>;
-    for (int idx = threadIdx.x; idx < M::kRows * BM; idx += KT) {
-      const int r = idx % M::kRows, m = idx / M::kRows;
-      if (pairs[m] >= p.num_pairs) continue;
-      float v[kMaxSplit];
-#pragma unroll
-      for (int k = 0; k < kMaxSplit; ++k)
-        v[k] = k < pl.split ? parts[((int64_t)k * M::kToks + m) * M::kRows + r] : 0.f;
-      float sum = 0.f;
-#pragma unroll
-      for (int k = 0; k < kMaxSplit; ++k) sum += v[k];
-      red[r * M::kRedLd + m] = sum;
-    }
+    sum_parts<M, BM, KT>(p.partials + (int64_t)b * pl.split * kSplitFloats<M>, pl.split, pairs, p.num_pairs, red);
     __syncthreads();
-    emit([&](int r, int m) { return red[r * M::kRedLd + m]; });
+    emit([&](int r, int m) { return red[m * M::kRows + r]; });
     if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
     hooks.item_done(b % pl.n_mblocks);
   }

@@ -141,6 +141,18 @@ HK_DEVICE void spin_until_at_least(const int* flag, int target) {
   __threadfence();
 }
 
+// 16 bytes (a float4, 16-byte aligned) that other blocks of this grid wrote and published (their
+// fence, then an atomic this block observed, then a fence here), read where the device is coherent
+// (L2), never from a line this SM's L1 may hold.
+HK_DEVICE float4 load_coherent4(const float* p) {
+#if defined(HK_PLATFORM_CUDA)
+  return __ldcg(reinterpret_cast<const float4*>(p));
+#else
+  const volatile float* q = p;  // glc loads on CDNA
+  return make_float4(q[0], q[1], q[2], q[3]);
+#endif
+}
+
 HK_DEVICE void wave_sync() {
 #if defined(HK_PLATFORM_HIP)
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
