@@ -52,11 +52,14 @@ constexpr int kShortK = 256;
 // (experiments/wgmma_stage.cu), and no operand fragments through the load/store pipe the copies use.
 // So does the short down tile at block_m 16 (H100: case 25 441.0 -> 437.1 us against mma.sync).
 // Lag 1 (block_m 64 / 128, whose stages carry the most products): a stage's wgmma still runs while the
-// next stage starts (math.h), in one stage more than S (mma.sync keeps S). block_m 64 runs 4 (was 3);
-// block_m 128 keeps the 4 it had, a fifth not fitting beside its partials tile, so its loader runs one
-// stage less ahead (H100, NOTES.md 2026-11-26: block_m 64 -12..15 % on the skewed 128-token cases, 128 -1..4 %).
-template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0>
-using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag>, MmaMath<U, WR, 1, B, BK, S>>;
+// next stage starts (math.h), in one stage more than S (mma.sync keeps S). block_m 64 runs 4 (was 3)
+// (H100, NOTES.md 2026-11-26: -12..15 % on the skewed 128-token cases). block_m 128 runs 5: its
+// epilogue takes the two warpgroups' rows in two passes (Passes), so its partials tile is half as
+// large and a fifth stage fits (NOTES.md 2026-11-26 (2): -3..6 % on its 128-token cases, Mixtral 8x7B
+// 512 tokens -4 %).
+template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0, int Passes = 1>
+using Matrix =
+    std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag, Passes>, MmaMath<U, WR, 1, B, BK, S>>;
 template <typename U, int B> struct Tiles;
 template <typename U> struct Tiles<U, 8> {
   typedef MmaMath<U, 1, 4, 8, 512, 4> Gate;
@@ -72,7 +75,7 @@ template <typename U> struct Tiles<U, 32> {
   typedef std::conditional_t<kNv, Matrix<U, 2, 32, 64, 3, 8>, Down> DownShort;
 };
 template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4, 1> Gate, Down, DownShort; };
-template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 3, kNv ? 8 : 4, 1> Gate, Down, DownShort; };
+template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4, 1, 2> Gate, Down, DownShort; };
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {
   typedef SimtMath<1, kSimtWK, 8, kNv ? 256 : 128, 4> Gate;
@@ -105,8 +108,8 @@ template <typename M> struct InStep { typedef M type; };
 template <int WG, int B, int BK, int S> struct InStep<SplitMath<WG, B, BK, S, true>> {
   typedef SplitMath<WG, B, BK, S, false> type;
 };
-template <typename U, int WG, int B, int BK, int S, int Lag> struct InStep<WgmmaMath<U, WG, B, BK, S, Lag>> {
-  typedef WgmmaMath<U, WG, B, BK, S - Lag, 0> type;
+template <typename U, int WG, int B, int BK, int S, int Lag, int P> struct InStep<WgmmaMath<U, WG, B, BK, S, Lag, P>> {
+  typedef WgmmaMath<U, WG, B, BK, S - Lag, 0, P> type;
 };
 typedef typename InStep<M1>::type D1;
 typedef typename InStep<M2>::type D2;

@@ -153,7 +153,10 @@ struct GemmCfg {
   // scratch
   static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
   static constexpr int kX = kStages * M::kToks * M::kLd * (int)sizeof(T);
-  static constexpr int kRed = M::kWK * M::kRows * M::kRedLd * 4;
+  // The epilogue's passes over the item's rows (M::kEpiPasses), and the rows the partials tile holds.
+  static constexpr int kPasses = M::kEpiPasses, kRedRows = M::kRows / kPasses;
+  static_assert(kRedRows % 16 == 0 && kCols % kPasses == 0, "whole 16-row tiles (gate and up rows) a pass");
+  static constexpr int kRed = M::kWK * kRedRows * M::kRedLd * 4;
   // The partials reuse the math's scratch where it is large enough (free between items), or the
   // buffers of one synchronous stage (no copies in flight at the epilogue); either way the epilogue
   // first waits for every wave to leave step().
@@ -236,30 +239,33 @@ struct PdlHooks {
   HK_DEVICE void item_done(int) const {}
 };
 
-// The last part of a split item group to arrive sums the group's `split` partial tiles (parts) into
-// red's first k-group (free: its own part is published) as [token row][row], for the rows whose pair
-// exists, in part order (deterministic whichever part is last). Each thread sums kU float4s of rows a
-// pass with kP parts' loads of each in flight: a handful of L2 round trips per item, where one element
-// at a time had been one per element (H100, block_m 128: ~35 us per item, and the block that was last
+// The last part of a split item group to arrive sums the group's `split` partial tiles (parts: rows
+// from the pass's first, M::kRows a token row) over the R rows of an epilogue pass into red's first
+// k-group (free: its own part is published) as [token row][row], for the token rows whose pair exists,
+// in part order (deterministic whichever part is last). Each thread sums kU float4s of rows a pass
+// with kP parts' loads of each in flight: a handful of L2 round trips per item, where one element at a
+// time had been one per element (H100, block_m 128: ~35 us per split item, and the block that was last
 // fell behind on every item: NOTES.md, 2026-11-26 (2)). Loads in flight: 16 floats a thread, 32 where a
 // thread has 8 float4s or more (more raised the registers of the small tiles' GEMMs).
-template <typename M, int BM, int KT>
+template <typename M, int BM, int KT, int R>
 HK_DEVICE void sum_parts(const float* parts, int split, const int* pairs, int num_pairs, float* red) {
-  constexpr int kQ = M::kRows / 4;  // float4s per token row
+  constexpr int kQ = R / 4;                      // float4s per token row
   constexpr int kPer = (kQ * BM + KT - 1) / KT;  // float4s per thread
   constexpr int kU = kPer >= 8 ? 4 : kPer >= 2 ? 2 : 1, kP = kU == 4 ? 2 : 4 / kU;
-  static_assert(M::kRows % 4 == 0 && BM * M::kRows <= M::kRows * M::kRedLd, "red holds the sums");
+  static_assert(R % 4 == 0 && BM * R <= R * M::kRedLd, "red holds the sums");
 #pragma unroll 1
   for (int q0 = threadIdx.x; q0 < kQ * BM; q0 += kU * KT) {
     bool ok[kU];
+    int at[kU];  // the float4's offset in a part's tile
     float4 s[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int q = q0 + u * KT;
       ok[u] = q < kQ * BM && pairs[q / kQ] < num_pairs;
+      at[u] = q / kQ * M::kRows + 4 * (q % kQ);
       s[u] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    const float* src = parts + 4 * q0;
+    const float* src = parts;
 #pragma unroll 1
     for (int k0 = 0; k0 < split; k0 += kP, src += kP * kSplitFloats<M>) {
       float4 v[kP][kU];
@@ -267,7 +273,7 @@ HK_DEVICE void sum_parts(const float* parts, int split, const int* pairs, int nu
       for (int k = 0; k < kP; ++k)
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-          v[k][u] = ok[u] && k0 + k < split ? load_coherent4(src + k * kSplitFloats<M> + 4 * u * KT)
+          v[k][u] = ok[u] && k0 + k < split ? load_coherent4(src + k * kSplitFloats<M> + at[u])
                                                : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int k = 0; k < kP; ++k)
@@ -474,15 +480,14 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     const int* pairs = pair_s + slot * M::kToks;  // the item's last stage's
     const float* topk = topk_s + slot * M::kToks;
 
-    // Epilogue: the waves' partials meet in shared memory (free again two barriers later).
-    if constexpr (C::kAlias) __syncthreads();  // every wave is done with what the partials reuse
-    M::store(acc, red);
-    M::zero(acc);
-    __syncthreads();
+    // Epilogue, in C::kPasses passes over the item's rows (red holds C::kRedRows of them at a time):
+    // the waves' partials meet in shared memory (free again two barriers later).
+    constexpr int R = C::kRedRows, CP = C::kCols / C::kPasses;  // rows / output columns a pass
     const int b = item / pl.split, nt = b / pl.n_mblocks;
-    auto emit = [&](auto value) {  // value(row, token): the item's finished sums
+    auto emit = [&](int h, auto value) {  // value(row of pass h, token): the item's finished sums
       if constexpr (Gated && M::kPreSplit) {  // the item's columns are one block of split rows
         static_assert(C::kCols == M::kBK && C::kCols == 2 * kWaveSize, "a warp per token row, 2 columns a lane");
+        static_assert(C::kPasses == 1, "one pass");
         for (int m = threadIdx.x / kWaveSize; m < BM; m += KT / kWaveSize) {
           const int pair = pairs[m];
           if (pair >= p.num_pairs) continue;
@@ -497,10 +502,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         }
         return;
       }
-      for (int idx = threadIdx.x; idx < C::kCols * BM; idx += KT) {
-        const int c = idx % C::kCols, m = idx / C::kCols, pair = pairs[m], col = nt * C::kCols + c;
+      for (int idx = threadIdx.x; idx < CP * BM; idx += KT) {
+        const int c = h * CP + idx % CP, m = idx / CP, pair = pairs[m], col = nt * C::kCols + c;
         if (pair >= p.num_pairs || col >= p.N) continue;
-        const int r = Gated ? 16 * (c / 8) + c % 8 : c;
+        const int r = (Gated ? 16 * (c / 8) + c % 8 : c) - h * R;
         if (Gated)
           static_cast<T*>(p.out)[(int64_t)pair * p.out_stride + col] =
               from_float<T>(activate(value(r, m), p.activation) * value(r + 8, m));
@@ -511,21 +516,33 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     auto wave_sum = [&](int r, int m) {
       float v = 0.f;
 #pragma unroll
-      for (int k = 0; k < M::kWK; ++k) v += red[(k * M::kRows + r) * M::kRedLd + m];
+      for (int k = 0; k < M::kWK; ++k) v += red[(k * R + r) * M::kRedLd + m];
       return v;
     };
+    // Split: each pass publishes this part's sums (the token rows that exist: no other is read); the
+    // last part of the group to arrive adds all parts in part order (deterministic whichever arrives
+    // last) and writes the outputs.
+    float* part = p.partials + item * kSplitFloats<M>;
+    for (int h = 0; h < C::kPasses; ++h) {
+      if (C::kAlias || h > 0) __syncthreads();  // every wave is done with what the partials reuse
+      if constexpr (C::kPasses == 1)
+        M::store(acc, red);
+      else
+        M::store(acc, red, h);
+      __syncthreads();
+      if (pl.split == 1) {
+        emit(h, wave_sum);
+        continue;
+      }
+      for (int idx = threadIdx.x; idx < R * BM; idx += KT) {
+        const int r = idx % R, m = idx / R;
+        if (pairs[m] < p.num_pairs) part[m * M::kRows + h * R + r] = wave_sum(r, m);
+      }
+    }
+    M::zero(acc);
     if (pl.split == 1) {
-      emit(wave_sum);
       hooks.item_done(b % pl.n_mblocks);
       continue;
-    }
-    // Split: publish this part's sums (the token rows that exist: no other is read); the last part
-    // of the group to arrive adds all parts in part order (deterministic whichever arrives last) and
-    // writes the outputs.
-    float* part = p.partials + item * kSplitFloats<M>;
-    for (int idx = threadIdx.x; idx < M::kRows * BM; idx += KT) {
-      const int r = idx % M::kRows, m = idx / M::kRows;
-      if (pairs[m] < p.num_pairs) part[m * M::kRows + r] = wave_sum(r, m);
     }
     __threadfence();
     __syncthreads();
@@ -533,9 +550,13 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     __syncthreads();
     if (!*last_s) continue;
     __threadfence();
-    sum_parts<M, BM, KT>(p.partials + (int64_t)b * pl.split * kSplitFloats<M>, pl.split, pairs, p.num_pairs, red);
-    __syncthreads();
-    emit([&](int r, int m) { return red[m * M::kRows + r]; });
+    for (int h = 0; h < C::kPasses; ++h) {
+      if (h > 0) __syncthreads();  // the previous pass's outputs are written
+      sum_parts<M, BM, KT, R>(p.partials + (int64_t)b * pl.split * kSplitFloats<M> + h * R, pl.split, pairs,
+                              p.num_pairs, red);
+      __syncthreads();
+      emit(h, [&](int r, int m) { return red[m * R + r]; });
+    }
     if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
     hooks.item_done(b % pl.n_mblocks);
   }

@@ -20,6 +20,10 @@
 //                                          (1024-byte aligned; none where kScratch is 0)
 //   store(acc, red)                        this wave's partial sums into red[wk][row][tok]
 //                                          (row stride kRedLd), summed over wk by the epilogue
+//   kEpiPasses, store(acc, red, pass)      (kEpiPasses > 1) the epilogue takes the rows in that many
+//                                          passes, red holding kRows / kEpiPasses rows: the waves whose
+//                                          rows are pass `pass`'s store them there (row 0: the pass's
+//                                          first), the others nothing
 //   at(row, chunk)                         where 16-byte chunk `chunk` of a stage row lies (elements
 //                                          from the stage's start)
 //   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
@@ -59,7 +63,7 @@ struct MmaMath {
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
-  static constexpr int kScratch = 0, kLag = 0;
+  static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
   static HK_DEVICE void drain(Acc&) {}
 
@@ -124,14 +128,17 @@ struct MmaMath {
 // Lag 1: step() returns with its own products still running (it waits only for the previous
 // stage's), so the tensor cores work through the loop's barrier and the next stage's copies; the
 // pipeline then keeps one stage fewer in flight for the copies (gemm.h), hence a deeper one.
-template <typename T, int WG, int BM, int BK, int Stages, int Lag = 0>
+// Passes > 1: the epilogue takes the warpgroups' rows in that many passes (a smaller partials tile,
+// room for a stage more).
+template <typename T, int WG, int BM, int BK, int Stages, int Lag = 0, int Passes = 1>
 struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   typedef MmaMath<T, 4 * WG, 1, BM, BK, Stages> Base;
   using typename Base::Acc;
   typedef Sw128<T, BK> L;
   static constexpr int kLd = BK;  // a stage of R rows spans R * kLd elements (1024-byte atoms)
-  static constexpr int kLag = Lag;
+  static constexpr int kLag = Lag, kEpiPasses = Passes;
   static_assert(Lag == 0 || Lag == 1, "wgmma groups left in flight");
+  static_assert(WG % Passes == 0, "whole warpgroups a pass");
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
   static constexpr bool kWeightBox = BK * sizeof(T) == 128;  // one atom a row: a stage's rows are one box
   static HK_DEVICE int at(int r, int c) { return L::at(r, c); }
@@ -151,6 +158,11 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
     wgmma_wait<Lag>();  // the buffers of the stage Lag steps back are free at the loop's next barrier
   }
   static HK_DEVICE void drain(Acc&) { wgmma_wait<0>(); }
+  static HK_DEVICE void store(const Acc& acc, float* red) { Base::store(acc, red); }
+  static HK_DEVICE void store(const Acc& acc, float* red, int pass) {
+    constexpr int kRowsPerPass = Base::kRows / Passes;
+    if (Base::wr() / 4 / (WG / Passes) == pass) Base::store(acc, red - pass * kRowsPerPass * Base::kRedLd);
+  }
 };
 
 // fp32: WK waves over the k-slices; lane l owns weight rows l + j * wave size (j < RPL) against every
@@ -164,7 +176,7 @@ struct SimtMath {
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
-  static constexpr int kScratch = 0, kLag = 0;
+  static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
   static HK_DEVICE void drain(Acc&) {}
 
