@@ -524,7 +524,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     // last) and writes the outputs.
     float* part = p.partials + item * kSplitFloats<M>;
     for (int h = 0; h < C::kPasses; ++h) {
-      if (C::kAlias || h > 0) __syncthreads();  // every wave is done with what the partials reuse
+      if (C::kAlias || h > 0) __syncthreads();  // every wave is done with what red reuses / the last pass's rows
       if constexpr (C::kPasses == 1)
         M::store(acc, red);
       else
