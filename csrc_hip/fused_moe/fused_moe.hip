@@ -75,7 +75,9 @@ template <typename U> struct Tiles<U, 32> {
   typedef std::conditional_t<kNv, Matrix<U, 2, 32, 64, 3, 8>, Down> DownShort;
 };
 template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4, 1> Gate, Down, DownShort; };
-template <typename U> struct Tiles<U, 128> { typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4, 1, 2> Gate, Down, DownShort; };
+template <typename U> struct Tiles<U, 128> {
+  typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4, 1, 2> Gate, Down, DownShort;
+};
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {
   typedef SimtMath<1, kSimtWK, 8, kNv ? 256 : 128, 4> Gate;
