@@ -502,15 +502,34 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         }
         return;
       }
-      for (int idx = threadIdx.x; idx < CP * BM; idx += KT) {
-        const int c = h * CP + idx % CP, m = idx / CP, pair = pairs[m], col = nt * C::kCols + c;
+      // kV adjacent columns a thread, one store where they are whole and aligned: scalar stores queue
+      // behind the next item's copies, a request each (H100: ~5 us an item at block_m 64, NOTES.md
+      // 2026-11-26 (2)).
+      typedef std::conditional_t<Gated, T, float> O;
+      constexpr int kV = 4;
+      struct alignas(kV * sizeof(O)) Vec { O e[kV]; };
+      static_assert(CP % kV == 0 && 8 % kV == 0, "whole vectors a pass, inside a gate row group");
+      const bool vec = p.out_stride % kV == 0;  // rows start aligned (the buffers are)
+      for (int q = threadIdx.x; q < CP / kV * BM; q += KT) {
+        const int c0 = h * CP + kV * (q % (CP / kV)), m = q / (CP / kV), pair = pairs[m], col = nt * C::kCols + c0;
         if (pair >= p.num_pairs || col >= p.N) continue;
-        const int r = (Gated ? 16 * (c / 8) + c % 8 : c) - h * R;
-        if (Gated)
-          static_cast<T*>(p.out)[(int64_t)pair * p.out_stride + col] =
-              from_float<T>(activate(value(r, m), p.activation) * value(r + 8, m));
-        else
-          static_cast<float*>(p.out)[(int64_t)pair * p.out_stride + col] = topk[m] * value(r, m);
+        Vec o;
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
+          const int c = c0 + i, r = (Gated ? 16 * (c / 8) + c % 8 : c) - h * R;
+          if constexpr (Gated)
+            o.e[i] = from_float<T>(activate(value(r, m), p.activation) * value(r + 8, m));
+          else
+            o.e[i] = topk[m] * value(r, m);
+        }
+        O* dst = static_cast<O*>(p.out) + (int64_t)pair * p.out_stride + col;
+        if (vec && col + kV <= p.N) {
+          *reinterpret_cast<Vec*>(dst) = o;
+        } else {
+#pragma unroll
+          for (int i = 0; i < kV; ++i)
+            if (col + i < p.N) dst[i] = o.e[i];
+        }
       }
     };
     auto wave_sum = [&](int r, int m) {
@@ -534,9 +553,11 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         emit(h, wave_sum);
         continue;
       }
-      for (int idx = threadIdx.x; idx < R * BM; idx += KT) {
-        const int r = idx % R, m = idx / R;
-        if (pairs[m] < p.num_pairs) part[m * M::kRows + h * R + r] = wave_sum(r, m);
+      for (int q = threadIdx.x; q < R / 4 * BM; q += KT) {  // a float4 of rows a store: 4x fewer requests
+        const int r = 4 * (q % (R / 4)), m = q / (R / 4);
+        if (pairs[m] < p.num_pairs)
+          *reinterpret_cast<float4*>(part + m * M::kRows + h * R + r) =
+              make_float4(wave_sum(r, m), wave_sum(r + 1, m), wave_sum(r + 2, m), wave_sum(r + 3, m));
       }
     }
     M::zero(acc);
