@@ -372,7 +372,7 @@ int use_clusters(Kernel kernel, unsigned long long& raised, ClusterCache& cache,
     if (c) __atomic_store_n(&c[0], slots + 1, __ATOMIC_RELAXED);
   }
   if (clusters < 0) {
-    HK_TRY(max_clusters(kernel, threads, smem_bytes, (unsigned)parts, &clusters));
+    HK_TRY(max_clusters(kernel, threads, smem_bytes, dim3(1, 1, (unsigned)parts), &clusters));
     if (c) __atomic_store_n(&c[parts], clusters + 1, __ATOMIC_RELAXED);
   }
   const int64_t cluster_slots = (int64_t)clusters * parts;
@@ -398,7 +398,8 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   if (clusters) {
     Params q = p;
     q.cluster = p.num_partitions;
-    const hipError_t err = launch_clusters(kernel, grid, dim3(threads), smem_bytes, stream, (unsigned)q.cluster, q);
+    const hipError_t err =
+        launch_clusters(kernel, grid, dim3(threads), smem_bytes, stream, dim3(1, 1, (unsigned)q.cluster), q);
     if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
     return 0;
   }

@@ -34,79 +34,90 @@ int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int 
 }
 
 #if defined(HK_PLATFORM_CUDA)
-// A cudaLaunchKernelEx configuration with one attribute (*attr, which must outlive it).
+// A cudaLaunchKernelEx configuration with n attributes (attrs, which must outlive it).
 inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
-                                        cudaLaunchAttribute* attr) {
+                                        cudaLaunchAttribute* attrs, unsigned n) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
   return cfg;
 }
 
-// The attribute of clusters of cluster_z consecutive blocks along z.
-inline cudaLaunchAttribute cluster_attr(unsigned cluster_z) {
+// The attribute of clusters of cluster.x x cluster.y x cluster.z consecutive blocks.
+inline cudaLaunchAttribute cluster_attr(dim3 cluster) {
   cudaLaunchAttribute a;
   a.id = cudaLaunchAttributeClusterDimension;
-  a.val.clusterDim.x = 1;
-  a.val.clusterDim.y = 1;
-  a.val.clusterDim.z = cluster_z;
+  a.val.clusterDim.x = cluster.x;
+  a.val.clusterDim.y = cluster.y;
+  a.val.clusterDim.z = cluster.z;
   return a;
 }
 #endif
 
+inline bool is_cluster(dim3 c) { return c.x * c.y * c.z > 1; }
+
 // Launch `kernel` after the work before it in `stream`, allowed to start early where the target has
 // programmatic dependent launch (CUDA, sm_90: the kernel must call griddep_wait() before it reads what
-// the previous kernel writes); a plain launch elsewhere. Returns the launch's error.
+// the previous kernel writes); a plain launch elsewhere. `cluster` > 1 block: in clusters of that shape
+// (kClusters builds only; hipErrorNotSupported elsewhere). Returns the launch's error.
 // HIPKERN_NO_PDL=1 in the environment turns the early start off (a plain launch), for comparisons.
 template <typename... Params, typename... Args>
-hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
-                            Args... args) {
+hipError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem,
+                                     hipStream_t stream, dim3 cluster, Args... args) {
 #if defined(HK_PLATFORM_CUDA)
+  if (is_cluster(cluster) && !kClusters) return hipErrorNotSupported;
   static const bool off = getenv("HIPKERN_NO_PDL") != nullptr;  // diagnostic: plain launches, to compare
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = off ? 0 : 1;
-  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr);
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = off ? 0 : 1;
+  if (is_cluster(cluster)) attrs[1] = cluster_attr(cluster);
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, attrs, is_cluster(cluster) ? 2 : 1);
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 #else
+  if (is_cluster(cluster)) return hipErrorNotSupported;
   hipLaunchKernelGGL(kernel, grid, block, smem, stream, args...);
   return hipGetLastError();
 #endif
 }
 
+template <typename... Params, typename... Args>
+hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
+                            Args... args) {
+  return launch_dependent_clusters(kernel, grid, block, smem, stream, dim3(1, 1, 1), args...);
+}
+
 // Clusters (kClusters builds only; hipErrorNotSupported elsewhere): launch `kernel` with its blocks
-// in clusters of cluster_z consecutive blocks along z (grid.z a multiple of it), and how many such
-// clusters of it (block threads, smem bytes) can be resident on the device at once.
+// in clusters of `cluster` consecutive blocks (each grid dimension a multiple of the cluster's), and
+// how many such clusters of it (block threads, smem bytes) can be resident on the device at once.
 template <typename... Params, typename... Args>
 hipError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
-                           unsigned cluster_z, Args... args) {
+                           dim3 cluster, Args... args) {
 #if defined(HK_PLATFORM_CUDA)
   if (kClusters) {
-    cudaLaunchAttribute attr = cluster_attr(cluster_z);
-    const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr);
+    cudaLaunchAttribute attr = cluster_attr(cluster);
+    const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr, 1);
     return cudaLaunchKernelEx(&cfg, kernel, args...);
   }
 #endif
-  (void)kernel, (void)grid, (void)block, (void)smem, (void)stream, (void)cluster_z;
+  (void)kernel, (void)grid, (void)block, (void)smem, (void)stream, (void)cluster;
   return hipErrorNotSupported;
 }
 
 template <typename Kernel>
-int max_clusters(Kernel kernel, int threads, int smem, unsigned cluster_z, int* out) {
+int max_clusters(Kernel kernel, int threads, int smem, dim3 cluster, int* out) {
   *out = 0;
 #if defined(HK_PLATFORM_CUDA)
   if (kClusters) {
-    cudaLaunchAttribute attr = cluster_attr(cluster_z);
-    const cudaLaunchConfig_t cfg =
-        launch_config(dim3(1, 1, cluster_z), dim3((unsigned)threads), (unsigned)smem, nullptr, &attr);
+    cudaLaunchAttribute attr = cluster_attr(cluster);
+    const cudaLaunchConfig_t cfg = launch_config(cluster, dim3((unsigned)threads), (unsigned)smem, nullptr, &attr, 1);
     HK_CHECK(cudaOccupancyMaxActiveClusters(out, reinterpret_cast<const void*>(kernel), &cfg));
   }
 #endif
-  (void)kernel, (void)threads, (void)smem, (void)cluster_z;
+  (void)kernel, (void)threads, (void)smem, (void)cluster;
   return 0;
 }
 

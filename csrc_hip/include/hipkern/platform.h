@@ -290,6 +290,20 @@ HK_DEVICE void cluster_sync() {
 #endif
 }
 
+// The cluster barrier's two halves, for work between them: cluster_arrive_relaxed() says "done
+// reading the others' shared memory" (no fence: every value read is already used), and the matching
+// cluster_wait() waits until every thread of the cluster has said so.
+HK_DEVICE void cluster_arrive_relaxed() {
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+HK_DEVICE void cluster_wait() {
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
 // The same barrier without the memory ordering (no fence: cluster_sync's release costs a GPU-scope
 // memory barrier, which waits for every earlier global store): for "no block leaves while another
 // still reads its shared memory", once every value this thread read from the others has been used.
@@ -300,7 +314,7 @@ HK_DEVICE void cluster_sync_relaxed() {
 }
 
 // The address of this block's shared-memory location p in the block of cluster rank `rank`, for
-// cluster_load2 / cluster_load4 (p 8- / 16-byte aligned).
+// cluster_load / cluster_load2 / cluster_load4 (p 4- / 8- / 16-byte aligned).
 HK_DEVICE uint32_t cluster_map(const void* p, int rank) {
   uint32_t r = 0;
 #if defined(HK_CLUSTER_DEVICE)
@@ -310,6 +324,15 @@ HK_DEVICE uint32_t cluster_map(const void* p, int rank) {
   (void)p, (void)rank;
 #endif
   return r;
+}
+HK_DEVICE float cluster_load(uint32_t a) {
+  float v = 0.f;
+#if defined(HK_CLUSTER_DEVICE)
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a));
+#else
+  (void)a;
+#endif
+  return v;
 }
 HK_DEVICE float2 cluster_load2(uint32_t a) {
   float2 v = make_float2(0.f, 0.f);
