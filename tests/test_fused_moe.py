@@ -1,6 +1,7 @@
 """fused_moe against a float64 per-expert torch loop (fused_moe_ref), over expert counts, top-k, token
 counts, sizes that are not multiples of the tiles, every block_m, both activations, skewed and
 expert-parallel routing; graphs, determinism and torch.compile; argument checks on any device."""
+import ctypes
 import math
 import os
 import pathlib
@@ -241,6 +242,57 @@ def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
         res = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant=variant, msg=f"short last part {rep} ")
         assert torch.equal(res, hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant=variant))
         ids = ids.roll(1, dims=1).contiguous()
+
+
+def gemm_layouts(dtype, block_m):
+    """The grouped variant's (gated, down, short down) GEMMs on this GPU: (grid, output columns per
+    item, whether a K split of 2 sums in cluster pairs) each (hk_fused_moe_gemms)."""
+    from hipkern import jit
+    from hipkern.jit import modules
+    dev = torch.cuda.current_device()
+    mod = jit.load(modules.spec("fused_moe", dtype=str(dtype)[6:], block_m=block_m), jit.current_arch(dev))
+    out = (ctypes.c_int32 * 9)()
+    mod.check(mod.hk_fused_moe_gemms(dev, ctypes.addressof(out)), "fused_moe gemms")
+    return [tuple(out[3 * j:3 * j + 3]) for j in range(3)]
+
+
+def plan_split(base, grid):
+    """gemm.h plan()'s K split for `base` items on `grid` blocks (K long enough for any split)."""
+    best, best_rounds = 1, -(-base // grid)
+    for s in range(2, 17):
+        rounds = -(-base * s // grid)
+        if rounds * best < best_rounds * s:
+            best, best_rounds = s, rounds
+    return best
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_in_two_parts(dtype, block_m):
+    """Plans aimed at a K split of exactly 2, first of the gated GEMM, then of the down GEMM (2 m-blocks
+    of n-tiles a quarter of the grid each), where sm_90a builds launch the grid in clusters of 2 and
+    each part writes half the outputs from both parts' partial tiles in distributed shared memory:
+    full and partial m-blocks (every token on the same 2 experts), a partial last n-tile, against the
+    reference and bitwise repeatable. On sm_90 a GEMM of 2 or more blocks an SM must use the pairs."""
+    if block_m not in block_ms_for(dtype):
+        pytest.skip(f"block_m {block_m} is not offered for {dtype}")
+    (g1, c1, p1), (g2, c2, p2), _ = gemm_layouts(dtype, block_m)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if torch.cuda.get_device_capability() == (9, 0) and not (dtype == torch.float32 and block_m == 64):
+        assert p1 or g1 < 2 * sms, f"gated GEMM: {g1} blocks, no cluster pairs"
+        assert p2 or g2 < 2 * sms, f"down GEMM: {g2} blocks, no cluster pairs"
+    n1, n2 = g1 // 4, g2 // 4  # n-tiles a (full) m-block
+    i_gated = n1 * c1 - (8 if c1 > 8 else 0)  # the last n-tile partial where the tile allows
+    d_down = n2 * c2 - 8
+    assert plan_split(2 * n1, g1) == 2 and plan_split(2 * n2, g2) == 2
+    for d, i in ((1000, i_gated), (d_down, 520)):
+        w1, w2 = make_weights(4, d, i, dtype, seed=d)
+        for t in (block_m, max(1, block_m // 2 - 1)):
+            x, w = make_tokens(t, d, dtype, t), routing_weights(t, 2, t)
+            ids = torch.tensor([[1, 3]], dtype=torch.int32, device="cuda").repeat(t, 1)
+            res = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped", msg=f"split 2, pairs {p1}/{p2} ")
+            assert torch.equal(res, hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant="grouped"))
 
 
 @pytest.mark.gpu

@@ -96,6 +96,7 @@ HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* e
 // The gated phase counts each finished item of m-block mb in ready[mb]; the down phase waits for all
 // `items` of them (the gated GEMM's n-tiles) before it reads the m-block's intermediate rows.
 struct GatedHooks {
+  static constexpr bool kPairs = false;  // a plain launch
   int* ready;
   HK_DEVICE void wait_input() const {}
   HK_DEVICE void wait_item(int) const {}
@@ -119,6 +120,7 @@ struct GatedHooks {
 // one m-block per block, where the two waits are the same.
 template <bool kPollAll>
 struct DownHooks {
+  static constexpr bool kPairs = false;
   const int* ready;
   int items;
   unsigned* done_s;  // [2] in shared memory

@@ -238,6 +238,16 @@ HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_
   return 0;
 }
 
+// The grouped variant's three GEMMs on `device` (gated, down, down where inter_dim <= kShortK), 3
+// ints each (gemm_layout: grid, output columns per item, split-2 parts summed in cluster pairs), for
+// tests that aim a plan at a split of 2.
+HK_EXPORT int hk_fused_moe_gemms(int device, int32_t* out) {
+  HK_TRY(hk::use_device(device));
+  HK_TRY((hk::fused_moe::gemm_layout<T, M1, BM, true>(device, out)));
+  HK_TRY((hk::fused_moe::gemm_layout<T, M2, BM, false>(device, out + 3)));
+  return hk::fused_moe::gemm_layout<T, M2s, BM, false>(device, out + 6);
+}
+
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
 // E_global experts; expert_map [E_global] or null), sorted_ids [max_padded] / expert_ids
 // [max_padded / BM] / num_post [1] from moe_sorting with block_m = BM (kGrouped only; null for

@@ -75,6 +75,9 @@ struct GemmParams {
   // out as zeros), completing on the stage's mbarrier.
   int w_tma;
   TensorMap w_map;
+  // Launched in clusters of 2 (launch_gemm only, where GemmCfg::kPairSum): a plan that splits K in 2
+  // sums each item's parts through distributed shared memory (pair_sum), not partials in global memory.
+  int pair_cluster;
 };
 
 constexpr int kMaxSplit = 16;
@@ -168,6 +171,9 @@ struct GemmCfg {
   static constexpr int kBarAt = kFlagAt + 16, kBarEnd = kBarAt + (kTmaW ? 8 * kStages : 0);
   static constexpr int kScratchAt = round_up(kBarEnd, 1024);  // M's own (1024-byte aligned)
   static constexpr int kRedAt = kRedInScratch ? kScratchAt : kAlias ? 0 : kW + kX;
+  // Split parts summed in pairs of clustered blocks (GemmParams::pair_cluster): each writes half of a
+  // pass's output columns, whole vectors of 4.
+  static constexpr bool kPairSum = kClusters && !kAlias && !M::kPreSplit && (kCols / kPasses) % 8 == 0;
   static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kBarEnd;
   static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
   static_assert(M::kToks >= BM, "token rows");
@@ -222,6 +228,8 @@ HK_DEVICE int x_at(int m, int c) {
 //   wait_item(mb)      before the first token copy of an item of m-block mb (all threads call it;
 //                      it may hold a barrier)
 //   item_done(mb)      after an item's outputs are written (every thread calls it)
+//   kPairs             whether the launch may be in cluster pairs (GemmParams::pair_cluster): in
+//                      pairs, both parts of an item call item_done, each with half its outputs
 // Programmatic dependent launch (launch_dependent, sm_90; plain launches elsewhere): the gated
 // GEMM's plan reads moe_sorting's outputs, so it waits for the kernel before it first (sorting, or
 // the split-rows pass, which ends only after sorting has). The down GEMM's plan reads them too, but
@@ -230,6 +238,7 @@ HK_DEVICE int x_at(int m, int c) {
 // and waits only before it reads the intermediate.
 template <int kTrace>  // the launch's first trace point
 struct PdlHooks {
+  static constexpr bool kPairs = true;
   HK_DEVICE void wait_input() const {
     griddep_wait();
     griddep_launch_dependents();
@@ -318,6 +327,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   if (!kEarlyWeights) hooks.wait_input();
   const int G = gridDim.x, KS = (p.K + M::kBK - 1) / M::kBK;  // k-stages of a whole item
   const Plan pl = plan(p, BM, KS, G);
+  // K split in 2 in a grid of clusters of 2 (G even): blocks 2c and 2c + 1 run the two parts of the
+  // same items, and sum them through each other's red (free between items where !kAlias).
+  const bool pair_sum = C::kPairSum && Hooks::kPairs && p.pair_cluster && pl.split == 2;
+  bool pair_read = false;  // the other part was let read red: wait for it before red is reused
   if ((int)blockIdx.x >= pl.items) {
     if (kEarlyWeights) hooks.wait_input();  // every block waits: this grid's end implies the previous one's
     return;
@@ -483,8 +496,13 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     // Epilogue, in C::kPasses passes over the item's rows (red holds C::kRedRows of them at a time):
     // the waves' partials meet in shared memory (free again two barriers later).
     constexpr int R = C::kRedRows, CP = C::kCols / C::kPasses;  // rows / output columns a pass
+    constexpr int kV = 4;  // adjacent output columns a thread writes at once
     const int b = item / pl.split, nt = b / pl.n_mblocks;
-    auto emit = [&](int h, auto value) {  // value(row of pass h, token): the item's finished sums
+    // value(row of pass h, token): the item's finished sums; vectors v0 .. v0 + NV - 1 of the pass's
+    // columns (nv: std::integral_constant<int, NV>, so that no index divides at run time; all columns
+    // where M::kPreSplit)
+    auto emit = [&](int h, auto value, int v0, auto nv) {
+      constexpr int NV = decltype(nv)::value;
       if constexpr (Gated && M::kPreSplit) {  // the item's columns are one block of split rows
         static_assert(C::kCols == M::kBK && C::kCols == 2 * kWaveSize, "a warp per token row, 2 columns a lane");
         static_assert(C::kPasses == 1, "one pass");
@@ -502,16 +520,16 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         }
         return;
       }
-      // kV adjacent columns a thread, one store where they are whole and aligned: scalar stores queue
-      // behind the next item's copies, a request each (H100: ~5 us an item at block_m 64, NOTES.md
-      // 2026-11-26 (2)).
+      // kV adjacent columns a thread, one store: scalar stores queue behind the next item's copies, a
+      // request each (H100: ~5 us an item at block_m 64, NOTES.md 2026-11-26 (2)). p.N and p.out_stride
+      // are multiples of kV (hk_fused_moe takes D and I in 16-byte multiples), so every vector is whole
+      // and aligned.
       typedef std::conditional_t<Gated, T, float> O;
-      constexpr int kV = 4;
       struct alignas(kV * sizeof(O)) Vec { O e[kV]; };
       static_assert(CP % kV == 0 && 8 % kV == 0, "whole vectors a pass, inside a gate row group");
-      const bool vec = p.out_stride % kV == 0;  // rows start aligned (the buffers are)
-      for (int q = threadIdx.x; q < CP / kV * BM; q += KT) {
-        const int c0 = h * CP + kV * (q % (CP / kV)), m = q / (CP / kV), pair = pairs[m], col = nt * C::kCols + c0;
+#pragma unroll 1  // unrolled, the loop raised the GEMMs' registers by up to 18 (sm_90a)
+      for (int q = threadIdx.x; q < NV * BM; q += KT) {
+        const int c0 = h * CP + kV * (v0 + q % NV), m = q / NV, pair = pairs[m], col = nt * C::kCols + c0;
         if (pair >= p.num_pairs || col >= p.N) continue;
         Vec o;
 #pragma unroll
@@ -522,14 +540,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
           else
             o.e[i] = topk[m] * value(r, m);
         }
-        O* dst = static_cast<O*>(p.out) + (int64_t)pair * p.out_stride + col;
-        if (vec && col + kV <= p.N) {
-          *reinterpret_cast<Vec*>(dst) = o;
-        } else {
-#pragma unroll
-          for (int i = 0; i < kV; ++i)
-            if (col + i < p.N) dst[i] = o.e[i];
-        }
+        *reinterpret_cast<Vec*>(static_cast<O*>(p.out) + (int64_t)pair * p.out_stride + col) = o;
       }
     };
     auto wave_sum = [&](int r, int m) {
@@ -540,17 +551,33 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     };
     // Split: each pass publishes this part's sums (the token rows that exist: no other is read); the
     // last part of the group to arrive adds all parts in part order (deterministic whichever arrives
-    // last) and writes the outputs.
+    // last) and writes the outputs. In pairs (pair_sum), each part writes half the outputs instead.
     float* part = p.partials + item * kSplitFloats<M>;
     for (int h = 0; h < C::kPasses; ++h) {
       if (C::kAlias || h > 0) __syncthreads();  // every wave is done with what red reuses / the last pass's rows
+      if (pair_read) cluster_wait();  // the other part has read red
+      pair_read = false;
       if constexpr (C::kPasses == 1)
         M::store(acc, red);
       else
         M::store(acc, red, h);
       __syncthreads();
       if (pl.split == 1) {
-        emit(h, wave_sum);
+        emit(h, wave_sum, 0, std::integral_constant<int, CP / kV>());
+        continue;
+      }
+      if (pair_sum) {  // both parts' red complete; this part writes its half of the columns
+        cluster_sync();
+        const int k = (int)blockIdx.x & 1;  // the part, and the cluster rank
+        const uint32_t other = cluster_map(red, k ^ 1);
+        emit(h, [&](int r, int m) {
+          float v = 0.f;
+#pragma unroll
+          for (int j = 0; j < M::kWK; ++j) v += cluster_load(other + 4u * (uint32_t)((j * R + r) * M::kRedLd + m));
+          return wave_sum(r, m) + v;  // a + b == b + a: the same sums in either part
+        }, k * (CP / kV / 2), std::integral_constant<int, CP / kV / 2>());
+        cluster_arrive_relaxed();
+        pair_read = true;
         continue;
       }
       for (int q = threadIdx.x; q < R / 4 * BM; q += KT) {  // a float4 of rows a store: 4x fewer requests
@@ -561,7 +588,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       }
     }
     M::zero(acc);
-    if (pl.split == 1) {
+    if (pl.split == 1 || pair_sum) {
       hooks.item_done(b % pl.n_mblocks);
       continue;
     }
@@ -576,11 +603,12 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       sum_parts<M, BM, KT, R>(p.partials + (int64_t)b * pl.split * kSplitFloats<M> + h * R, pl.split, pairs,
                               p.num_pairs, red);
       __syncthreads();
-      emit(h, [&](int r, int m) { return red[m * R + r]; });
+      emit(h, [&](int r, int m) { return red[m * R + r]; }, 0, std::integral_constant<int, CP / kV>());
     }
     if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
     hooks.item_done(b % pl.n_mblocks);
   }
+  if (pair_read) cluster_wait();  // no block leaves while the other still reads its red
   async_copy_wait();
 }
 
@@ -622,6 +650,42 @@ int device_slots(int device, int* out) {
   return resident_grid<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, out);
 }
 
+// Whether a grid of `grid` blocks of Kernel can run as clusters of 2 all resident at once (kClusters
+// builds; for blocks of one SM each, a GPC with an odd number of SMs leaves one of them out), into
+// *out. HIPKERN_NO_CLUSTERS=1 in the environment says no, for comparisons.
+template <auto Kernel>
+int pairs_fit(int threads, int bytes, int device, int grid, bool* out) {
+  static const bool off = std::getenv("HIPKERN_NO_CLUSTERS") != nullptr;
+  static int cache[64] = {0};  // per device: resident clusters + 1 (0: not asked yet)
+  *out = false;
+  if (!kClusters || off || grid % 2 != 0) return 0;
+  int clusters = device < 64 ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) - 1 : -1;
+  if (clusters < 0) {
+    HK_TRY(max_clusters(Kernel, threads, bytes, dim3(2, 1, 1), &clusters));
+    if (device < 64) __atomic_store_n(&cache[device], clusters + 1, __ATOMIC_RELAXED);
+  }
+  *out = 2 * clusters >= grid;
+  return 0;
+}
+
+// What launch_gemm does on `device` with a grid of more than enough items: out[0] its grid, out[1]
+// the output columns of an item, out[2] whether a split of 2 sums in cluster pairs (for tests).
+template <typename T, typename M, int BM, bool Gated>
+int gemm_layout(int device, int32_t* out) {
+  typedef GemmCfg<T, M, BM, Gated> C;
+  int grid = 0;
+  bool pairs = false;
+  HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
+  if constexpr (C::kPairSum) {
+    HK_TRY(allow_shared(&gemm_kernel<T, M, BM, Gated>, raised<&gemm_kernel<T, M, BM, Gated>>(), C::bytes, device));
+    HK_TRY((pairs_fit<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, grid, &pairs)));
+  }
+  out[0] = grid;
+  out[1] = C::kCols;
+  out[2] = pairs;
+  return 0;
+}
+
 // Floats of partials and ints of counters a launch of this GEMM may use.
 template <typename T, typename M, int BM, bool Gated>
 int workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
@@ -656,7 +720,12 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   if (items < grid) grid = (int)items;
   if (grid < 1) return 0;
   HK_TRY(allow_shared(kernel, raised<&gemm_kernel<T, M, BM, Gated>>(), C::bytes, device));
-  HK_CHECK(launch_dependent(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, q));
+  bool pairs = false;
+  if constexpr (C::kPairSum)
+    HK_TRY((pairs_fit<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, grid, &pairs)));
+  q.pair_cluster = pairs;
+  HK_CHECK(launch_dependent_clusters(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream,
+                                     dim3(pairs ? 2 : 1, 1, 1), q));
   return 0;
 }
 
