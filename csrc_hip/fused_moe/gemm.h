@@ -172,8 +172,8 @@ struct GemmCfg {
   static constexpr int kScratchAt = round_up(kBarEnd, 1024);  // M's own (1024-byte aligned)
   static constexpr int kRedAt = kRedInScratch ? kScratchAt : kAlias ? 0 : kW + kX;
   // Split parts summed in pairs of clustered blocks (GemmParams::pair_cluster): each writes half of a
-  // pass's output columns, whole vectors of 4.
-  static constexpr bool kPairSum = kClusters && !kAlias && !M::kPreSplit && (kCols / kPasses) % 8 == 0;
+  // pass's output columns (whole vectors of 4), or every other token row where those are split rows.
+  static constexpr bool kPairSum = kClusters && (kCols / kPasses) % 8 == 0;
   static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kBarEnd;
   static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
   static_assert(M::kToks >= BM, "token rows");
@@ -328,7 +328,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   const int G = gridDim.x, KS = (p.K + M::kBK - 1) / M::kBK;  // k-stages of a whole item
   const Plan pl = plan(p, BM, KS, G);
   // K split in 2 in a grid of clusters of 2 (G even): blocks 2c and 2c + 1 run the two parts of the
-  // same items, and sum them through each other's red (free between items where !kAlias).
+  // same items, and sum them through each other's red.
   const bool pair_sum = C::kPairSum && Hooks::kPairs && p.pair_cluster && pl.split == 2;
   bool pair_read = false;  // the other part was let read red: wait for it before red is reused
   if ((int)blockIdx.x >= pl.items) {
@@ -498,15 +498,15 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     constexpr int R = C::kRedRows, CP = C::kCols / C::kPasses;  // rows / output columns a pass
     constexpr int kV = 4;  // adjacent output columns a thread writes at once
     const int b = item / pl.split, nt = b / pl.n_mblocks;
-    // value(row of pass h, token): the item's finished sums; vectors v0 .. v0 + NV - 1 of the pass's
-    // columns (nv: std::integral_constant<int, NV>, so that no index divides at run time; all columns
-    // where M::kPreSplit)
-    auto emit = [&](int h, auto value, int v0, auto nv) {
-      constexpr int NV = decltype(nv)::value;
+    // value(row of pass h, token): the item's finished sums. Part `part` of `parts` (an
+    // std::integral_constant, so that no index divides at run time) writes its share: a range of the
+    // pass's columns, or every parts-th token row where the columns are one block of split rows.
+    auto emit = [&](int h, auto value, int part, auto parts) {
+      constexpr int P = decltype(parts)::value, NV = CP / kV / P;  // vectors of columns a part
       if constexpr (Gated && M::kPreSplit) {  // the item's columns are one block of split rows
         static_assert(C::kCols == M::kBK && C::kCols == 2 * kWaveSize, "a warp per token row, 2 columns a lane");
         static_assert(C::kPasses == 1, "one pass");
-        for (int m = threadIdx.x / kWaveSize; m < BM; m += KT / kWaveSize) {
+        for (int m = part + P * (threadIdx.x / kWaveSize); m < BM; m += P * (KT / kWaveSize)) {
           const int pair = pairs[m];
           if (pair >= p.num_pairs) continue;
           float v[2];
@@ -529,7 +529,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       static_assert(CP % kV == 0 && 8 % kV == 0, "whole vectors a pass, inside a gate row group");
 #pragma unroll 1  // unrolled, the loop raised the GEMMs' registers by up to 18 (sm_90a)
       for (int q = threadIdx.x; q < NV * BM; q += KT) {
-        const int c0 = h * CP + kV * (v0 + q % NV), m = q / NV, pair = pairs[m], col = nt * C::kCols + c0;
+        const int c0 = h * CP + kV * (part * NV + q % NV), m = q / NV, pair = pairs[m], col = nt * C::kCols + c0;
         if (pair >= p.num_pairs || col >= p.N) continue;
         Vec o;
 #pragma unroll
@@ -563,7 +563,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         M::store(acc, red, h);
       __syncthreads();
       if (pl.split == 1) {
-        emit(h, wave_sum, 0, std::integral_constant<int, CP / kV>());
+        emit(h, wave_sum, 0, std::integral_constant<int, 1>());
         continue;
       }
       if (pair_sum) {  // both parts' red complete; this part writes its half of the columns
@@ -575,9 +575,12 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
 #pragma unroll
           for (int j = 0; j < M::kWK; ++j) v += cluster_load(other + 4u * (uint32_t)((j * R + r) * M::kRedLd + m));
           return wave_sum(r, m) + v;  // a + b == b + a: the same sums in either part
-        }, k * (CP / kV / 2), std::integral_constant<int, CP / kV / 2>());
+        }, k, std::integral_constant<int, 2>());
         cluster_arrive_relaxed();
-        pair_read = true;
+        if constexpr (C::kAlias)
+          cluster_wait();  // red is the math's scratch, which the next item's steps write
+        else
+          pair_read = true;
         continue;
       }
       for (int q = threadIdx.x; q < R / 4 * BM; q += KT) {  // a float4 of rows a store: 4x fewer requests
@@ -603,7 +606,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       sum_parts<M, BM, KT, R>(p.partials + (int64_t)b * pl.split * kSplitFloats<M> + h * R, pl.split, pairs,
                               p.num_pairs, red);
       __syncthreads();
-      emit(h, [&](int r, int m) { return red[m * R + r]; }, 0, std::integral_constant<int, CP / kV>());
+      emit(h, [&](int r, int m) { return red[m * R + r]; }, 0, std::integral_constant<int, 1>());
     }
     if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call
     hooks.item_done(b % pl.n_mblocks);
