@@ -13,7 +13,7 @@ Checked: the first CHECK_TOKENS tokens against the float64 reference, at the tes
 
 Each candidate is also timed with skewed routing (`skewed_us`: every token routed to the first
 token's k experts, the issue's "all tokens to the same k experts"). The database then takes, among
-the candidates within 5 % of the fastest under uniform routing (core.SECOND_WINDOW), one that is
+the candidates within 4 % of the fastest under uniform routing (core.SECOND_WINDOW), one that is
 faster under skewed routing by more than the 2 % margin (core.prefer_default): a block_m that holds an expert's
 tokens in one m-block reads its weights once however the routing piles up, at about the uniform
 cost (H100: bf16 DeepSeek-like 32 tokens, grouped/32 against grouped/8: 632 against 639 us uniform,
