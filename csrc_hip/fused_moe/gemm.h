@@ -576,7 +576,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
           for (int j = 0; j < M::kWK; ++j) v += cluster_load(other + 4u * (uint32_t)((j * R + r) * M::kRedLd + m));
           return wave_sum(r, m) + v;  // a + b == b + a: the same sums in either part
         }, k, std::integral_constant<int, 2>());
-        cluster_arrive_relaxed();
+        cluster_arrive_relaxed();  // relaxed: every value read from the other's red is already stored
         if constexpr (C::kAlias)
           cluster_wait();  // red is the math's scratch, which the next item's steps write
         else
