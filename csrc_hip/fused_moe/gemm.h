@@ -653,18 +653,22 @@ int device_slots(int device, int* out) {
   return resident_grid<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, out);
 }
 
-// Whether a grid of `grid` blocks of Kernel can run as clusters of 2 all resident at once (kClusters
-// builds; for blocks of one SM each, a GPC with an odd number of SMs leaves one of them out), into
-// *out. HIPKERN_NO_CLUSTERS=1 in the environment says no, for comparisons.
-template <auto Kernel>
-int pairs_fit(int threads, int bytes, int device, int grid, bool* out) {
+// Whether launch_gemm runs a grid of `grid` blocks in clusters of 2 (GemmParams::pair_cluster), into
+// *out: where GemmCfg::kPairSum and all the clusters can be resident at once (for blocks of one SM
+// each, a GPC with an odd number of SMs leaves one of them out). HIPKERN_NO_CLUSTERS=1 in the
+// environment says no, for comparisons.
+template <typename T, typename M, int BM, bool Gated>
+int pairs_fit(int device, int grid, bool* out) {
+  typedef GemmCfg<T, M, BM, Gated> C;
+  constexpr auto kernel = &gemm_kernel<T, M, BM, Gated>;
   static const bool off = std::getenv("HIPKERN_NO_CLUSTERS") != nullptr;
   static int cache[64] = {0};  // per device: resident clusters + 1 (0: not asked yet)
   *out = false;
-  if (!kClusters || off || grid % 2 != 0) return 0;
+  if (!C::kPairSum || off || grid % 2 != 0) return 0;
   int clusters = device < 64 ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) - 1 : -1;
   if (clusters < 0) {
-    HK_TRY(max_clusters(Kernel, threads, bytes, dim3(2, 1, 1), &clusters));
+    HK_TRY(allow_shared(kernel, raised<kernel>(), C::bytes, device));
+    HK_TRY(max_clusters(kernel, C::kThreads, C::bytes, dim3(2, 1, 1), &clusters));
     if (device < 64) __atomic_store_n(&cache[device], clusters + 1, __ATOMIC_RELAXED);
   }
   *out = 2 * clusters >= grid;
@@ -675,16 +679,12 @@ int pairs_fit(int threads, int bytes, int device, int grid, bool* out) {
 // the output columns of an item, out[2] whether a split of 2 sums in cluster pairs (for tests).
 template <typename T, typename M, int BM, bool Gated>
 int gemm_layout(int device, int32_t* out) {
-  typedef GemmCfg<T, M, BM, Gated> C;
   int grid = 0;
   bool pairs = false;
   HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
-  if constexpr (C::kPairSum) {
-    HK_TRY(allow_shared(&gemm_kernel<T, M, BM, Gated>, raised<&gemm_kernel<T, M, BM, Gated>>(), C::bytes, device));
-    HK_TRY((pairs_fit<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, grid, &pairs)));
-  }
+  HK_TRY((pairs_fit<T, M, BM, Gated>(device, grid, &pairs)));
   out[0] = grid;
-  out[1] = C::kCols;
+  out[1] = GemmCfg<T, M, BM, Gated>::kCols;
   out[2] = pairs;
   return 0;
 }
@@ -724,8 +724,7 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   if (grid < 1) return 0;
   HK_TRY(allow_shared(kernel, raised<&gemm_kernel<T, M, BM, Gated>>(), C::bytes, device));
   bool pairs = false;
-  if constexpr (C::kPairSum)
-    HK_TRY((pairs_fit<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, grid, &pairs)));
+  HK_TRY((pairs_fit<T, M, BM, Gated>(device, grid, &pairs)));
   q.pair_cluster = pairs;
   HK_CHECK(launch_dependent_clusters(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream,
                                      dim3(pairs ? 2 : 1, 1, 1), q));

@@ -290,9 +290,12 @@ HK_DEVICE void cluster_sync() {
 #endif
 }
 
-// The cluster barrier's two halves, for work between them: cluster_arrive_relaxed() says "done
-// reading the others' shared memory" (no fence: every value read is already used), and the matching
-// cluster_wait() waits until every thread of the cluster has said so.
+// The same barrier without the memory ordering (no fence: cluster_sync's release costs a GPU-scope
+// memory barrier, which waits for every earlier global store): for "no block leaves while another
+// still reads its shared memory", once every value this thread read from the others has been used.
+// Its two halves also stand alone, for work between them: cluster_arrive_relaxed() says "done reading
+// the others' shared memory", and the matching cluster_wait() waits until every thread of the cluster
+// has said so.
 HK_DEVICE void cluster_arrive_relaxed() {
 #if defined(HK_CLUSTER_DEVICE)
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
@@ -303,14 +306,9 @@ HK_DEVICE void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
-
-// The same barrier without the memory ordering (no fence: cluster_sync's release costs a GPU-scope
-// memory barrier, which waits for every earlier global store): for "no block leaves while another
-// still reads its shared memory", once every value this thread read from the others has been used.
 HK_DEVICE void cluster_sync_relaxed() {
-#if defined(HK_CLUSTER_DEVICE)
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n" ::: "memory");
-#endif
+  cluster_arrive_relaxed();
+  cluster_wait();
 }
 
 // The address of this block's shared-memory location p in the block of cluster rank `rank`, for
