@@ -98,6 +98,28 @@ def test_long_contexts(variant, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size,head_size", [(1, 128), (2, 64), (4, 256), (8, 128), (8, 256), (64, 128),
+                                                  (128, 64), (1024, 256)])
+def test_other_block_sizes_with_nan_past_each_end(variant, layout, block_size, head_size):
+    """Block sizes beside 16 / 32 (the kernels copy K/V a cache block at a time where they can), with
+    every cache row past a sequence's end in its blocks set to NaN: a kernel that lets one into a sum
+    fails. Lengths at the block, 16-token, 64-token tile and partition edges."""
+    lens = [1, 5, 17, 63, 64, 65, 300, 1000, 1025]
+    q, k, v, bt, cl = make_case(lens, num_kv_heads=2, group=8, head_size=head_size, block_size=block_size,
+                                layout=layout, seed=block_size + head_size)
+    kk, vv = (k, v) if layout == "NHD" else (k.transpose(1, 2), v.transpose(1, 2))  # [block, token, head, D] views
+    pos = torch.arange(bt.shape[1] * block_size, device="cuda")
+    for s, n in enumerate(lens):
+        past = pos[n:]
+        blocks, rows = bt[s, past // block_size].long(), past % block_size
+        kk[blocks, rows] = float("nan")
+        vv[blocks, rows] = float("nan")
+    run_and_check((q, k, v, bt, cl), layout, variant, msg=f"{variant} bs={block_size} ")
+
+
+@pytest.mark.gpu
 def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end():
     nb, bs, hkv, d = 70000, 16, 8, 256  # 2.29e9 elements per cache
     k = torch.empty((nb, bs, hkv, d), dtype=torch.bfloat16, device="cuda")
@@ -228,8 +250,9 @@ def test_group_split_over_blocks(heads_per_block, head_size):
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 def test_long_partitions_prefetched_into_l2(heads_per_block, head_size):
     """Partitions of 16 tiles and more, where v16's 16- and 32-head blocks ask L2 for each tile's rows a
-    tile ahead of their copies: lengths around that threshold (959 / 1023 tokens: 15 / 16 tiles), a
-    partition boundary and an empty context, unsplit and split."""
+    tile ahead of their copies (builds that copy with cp.async, not tensor-map boxes): lengths around
+    that threshold (959 / 1023 tokens: 15 / 16 tiles), a partition boundary and an empty context,
+    unsplit and split."""
     lens = [0, 1, 959, 1023, 1024, 1025, 2047, 4103]
     case = make_case(lens, num_kv_heads=2, group=heads_per_block, head_size=head_size,
                      seed=head_size + heads_per_block)

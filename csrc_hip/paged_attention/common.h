@@ -7,6 +7,7 @@
 #include "hipkern/launch.h"
 #include "hipkern/online_softmax.h"
 #include "hipkern/reduce.h"
+#include "hipkern/tma.h"
 #include "hipkern/vec.h"
 
 namespace hk {
@@ -39,6 +40,9 @@ struct Params {
   // the blocks of one thread-block cluster of this many, merged inside it (cluster_merge): part_o and
   // part_ml are not used and no merge kernel runs.
   int cluster;
+  // Set by the matrix-core kernels' launcher where they copy K and V tiles as tensor-map boxes
+  // (decode_mma.h, Cfg::kBoxes): the caches as rank-5 maps.
+  TensorMap k_map, v_map;
 };
 
 constexpr int kMaxCluster = 8;  // the portable cluster size

@@ -7,9 +7,10 @@
 //     (rows of masked tokens zero-filled, never read) while the waves compute tile i. The rows' cache
 //     offsets come from shared memory, made one tile earlier from block ids read from the block
 //     table a tile before that (one thread per row, into a register), so neither a copy nor the
-//     reading thread's wave waits on a block-table load. In long partitions the blocks of up to 32
-//     heads also ask L2 for each tile's rows when its offsets are made (one tile more of DRAM
-//     requests in flight than the stages hold: kPrefetch). Where copies are synchronous (CDNA here)
+//     reading thread's wave waits on a block-table load. Where the copies are cp.async (not boxes, below),
+//     in long partitions the blocks of up to 32 heads also ask L2 for each tile's rows when its
+//     offsets are made (one tile more of DRAM requests in flight than the stages hold: kPrefetch).
+//     Where copies are synchronous (CDNA here)
 //     one stage is used: 64 KB of LDS holds no more, and it does not fit head size 256 at all (the
 //     launcher reports it; the Python op rejects it first).
 //   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
@@ -26,10 +27,18 @@
 // memory, and O += P V with P from registers (the accumulators turned into A fragments, as for
 // mma.sync) and V read as an MN-major operand, so no K, V or Q fragment passes through registers.
 // Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and the P scratch is unused.
+// Tensor-map boxes (sm_90a, hipkern/tma.h), every other block (Cfg::kBoxes): each 16-token group of a
+// K or V tile is one box of a cache block (16 tokens, one KV head, all columns) issued by the thread of
+// the group's first row, completion counted on the stage's mbarrier, so the waves issue no per-chunk
+// copies. The tiles then sit as [16-row group][64-column slab][16 rows][64 columns] with the boxes'
+// 128-byte swizzle; a group past the end or of an invalid block is a box outside the map (zeros), and
+// the rows past the end inside the last group are zeroed after it lands. Block sizes under 16: a box
+// per (cache block, slab), issued by the thread of the block's first row.
 #pragma once
 
 #include "common.h"
 #include "hipkern/mma.h"
+#include "hipkern/tma.h"
 #include "hipkern/wgmma.h"
 
 namespace hk {
@@ -52,29 +61,47 @@ struct Cfg {
   static constexpr int kWaves = waves<WM, kSmall>(), kThreads = kWaves * kWaveSize;
   static constexpr int WN = kWaves / WM;  // waves sharing a head tile, each on a token slice
   static constexpr bool kWg = kWgmma && WM == 4 && !kSmall;  // two warpgroups: 64 heads x 32 tokens each
+  static constexpr bool kBoxes = kTma && !kWg && kAsyncCopy;  // K/V tiles as tensor-map boxes (see top)
   static constexpr int kTile = kSmall ? 32 : 64;  // tokens per pipeline stage
   static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;  // (wgmma, head 256: 3 fit, no faster)
-  // L2 prefetch of the tile after the copies' (in long partitions): v16's blocks of up to 32 heads;
-  // the 64-head (wgmma) and v6 blocks measured slower with it (NOTES.md, 2026-11-25).
-  static constexpr bool kPrefetch = !kWg && !kSmall;
+  // L2 prefetch of the tile after the copies' (in long partitions): v16's blocks of up to 32 heads
+  // with cp.async copies; the 64-head (wgmma) and v6 blocks measured slower with it (NOTES.md,
+  // 2026-11-25), and so did the boxes (2.5-3 % at 64-128 x 4096 on the H100; 2026-11-26).
+  static constexpr bool kPrefetch = !kWg && !kSmall && !kBoxes;
   static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
   static constexpr int kRows = 16 * WM;      // query heads per block
   typedef Sw128<T, D> L;                     // the layout of Q, K and V rows where kWg
-  static constexpr int kLd = kWg ? D : D + 8;  // shared row stride, elements
+  static constexpr int kLd = kWg ? D : D + 8;  // Q's shared row stride, elements (and K/V's unless kBoxes)
+  static constexpr int kLdKV = kBoxes ? D : kLd;
   static constexpr int kVec = 16 / (int)sizeof(T);
-  static HK_DEVICE int at(int r, int c) { return kWg ? L::at(r, c) : r * kLd + c * kVec; }  // chunk c of row r
+  static HK_DEVICE int at(int r, int c) { return kWg ? L::at(r, c) : r * kLd + c * kVec; }  // Q: chunk c of row r
+  static constexpr int kBoxRows = 16, kAtomK = 128 / (int)sizeof(T), kSlabs = D / kAtomK;
+  // kBoxes: where row r of 64-column slab sl of a K or V tile starts.
+  static HK_DEVICE int kv_row(int r, int sl) { return ((r / kBoxRows * kSlabs + sl) * kBoxRows + r % kBoxRows) * kAtomK; }
+  // Chunk c of row r of a K or V tile.
+  static HK_DEVICE int kv_at(int r, int c) {
+    if constexpr (kBoxes)
+      return kv_row(r, c / 8) + (c % 8 ^ r % 8) * kVec;
+    else
+      return at(r, c);
+  }
   static constexpr int kChunks = D / kVec;   // 16-byte chunks per row
   // shared memory (bytes): Q | per-wave P scratch | pipeline (reused by the merge) | row offsets of
-  // two tiles | token flags
+  // two tiles | token flags | (kBoxes) an mbarrier per stage; kBoxes puts the pipeline first (its
+  // boxes 1024-byte aligned)
   static constexpr int kQ = kRows * kLd * (int)sizeof(T);
   static constexpr int kScratch = kWg ? 0 : kWaves * MT::M * MT::K * (int)sizeof(T);
-  static constexpr int kStage = kTile * kLd * (int)sizeof(T);  // one K or V tile
+  static constexpr int kStage = kTile * kLdKV * (int)sizeof(T);  // one K or V tile
   static constexpr int kPipe = 2 * kStages * kStage;
   static constexpr int kLdA = merge_ld<D>();  // merge area row stride, floats
   static constexpr int kMerge = WN * kRows * (2 + kLdA) * 4;
-  static constexpr int kOffsets = 2 * kTile * 8;
+  static constexpr int kPipeBytes = kPipe > kMerge ? kPipe : kMerge;
+  static constexpr int kPipeAt = kBoxes ? 0 : kQ + kScratch, kQAt = kBoxes ? kPipeBytes : 0;
+  static constexpr int kOffAt = kQ + kScratch + kPipeBytes;
+  static constexpr int kOffsets = kBoxes ? 0 : 2 * kTile * 8;
   static constexpr int kFlags = kStages * kTile;
-  static constexpr int bytes = kQ + kScratch + (kPipe > kMerge ? kPipe : kMerge) + kOffsets + kFlags;
+  static constexpr int kBarAt = kOffAt + kOffsets + kFlags;
+  static constexpr int bytes = kBarAt + (kBoxes ? 8 * kStages : 0);
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
   static_assert(bytes <= 227 * 1024 - 1024, "fits an sm_90 block's shared memory with 1 KB of static");
@@ -84,22 +111,27 @@ struct Cfg {
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
   static_assert(kClusterFloats<kRows> * 4 <= kQ, "a cluster merge's (m, l) fit where Q was");
+  static_assert(!kBoxes || (kStage % 1024 == 0 && kTile % kBoxRows == 0 && kQAt % 16 == 0 && kBarAt % 8 == 0 &&
+                            kThreads >= kTile),
+                "whole 1024-byte aligned boxes; a thread per row");
 };
 
 template <typename T, int D, int WM, bool kSmall>
-__global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_kernel(Params p) {
+__global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_kernel(const HK_GRID_CONSTANT Params p) {
   typedef Cfg<T, D, WM, kSmall> C;
   typedef typename C::MT MT;
   constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
   constexpr int kND = D / MT::N;          // output tiles per wave
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms (where kWg)
-  T* q_s = reinterpret_cast<T*>(smem_raw);
-  T* scratch = reinterpret_cast<T*>(smem_raw + C::kQ);
-  unsigned char* pipe = smem_raw + C::kQ + C::kScratch;
-  T* k_s = reinterpret_cast<T*>(pipe);    // [kStages][kTile][kLd]
-  T* v_s = k_s + C::kStages * C::kTile * C::kLd;
-  int64_t* off_s = reinterpret_cast<int64_t*>(pipe + (C::kPipe > C::kMerge ? C::kPipe : C::kMerge));  // [2][kTile]
-  uint8_t* ok_s = reinterpret_cast<uint8_t*>(off_s + 2 * C::kTile);  // [kStages][kTile]
+  T* q_s = reinterpret_cast<T*>(smem_raw + C::kQAt);
+  T* scratch = q_s + C::kQ / (int)sizeof(T);
+  unsigned char* pipe = smem_raw + C::kPipeAt;
+  T* k_s = reinterpret_cast<T*>(pipe);    // [kStages][kTile rows] (kv_at)
+  T* v_s = k_s + C::kStages * C::kTile * C::kLdKV;
+  int64_t* off_s = reinterpret_cast<int64_t*>(smem_raw + C::kOffAt);  // [2][kTile] (none where kBoxes)
+  uint8_t* ok_s = smem_raw + C::kOffAt + C::kOffsets;                   // [kStages][kTile]
+  uint64_t* bar_s = reinterpret_cast<uint64_t*>(smem_raw + C::kBarAt);  // kBoxes: [kStages]
+  constexpr bool tma = C::kBoxes;
 
   griddep_launch_dependents();  // the merge kernel (split launches) may be scheduled once all blocks run
   const BlockWork work = block_work<C::kRows, C::kTile, C::kThreads, true>(p);
@@ -121,18 +153,25 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   auto copy_row = [](int j) { return (int)(threadIdx.x + j * C::kThreads) / C::kChunks; };
   auto copy_chunk = [](int j) { return (int)(threadIdx.x + j * C::kThreads) % C::kChunks; };
   // The first tiles' row offsets, read before the context length is known (masked by it below).
+  // (Boxes: thread r < kTile's block id of row r of those tiles.)
   constexpr int kAhead = C::kStages > 1 ? C::kStages - 1 : 1;
-  int64_t ahead[kAhead][C::kCopies];
+  int64_t ahead[tma ? 1 : kAhead][C::kCopies];
+  int ahead_blk[kAhead];
 #pragma unroll
-  for (int s = 0; s < kAhead; ++s)
+  for (int s = 0; s < kAhead; ++s) {
+    if constexpr (tma) {
+      ahead_blk[s] = threadIdx.x < C::kTile ? token_block(p, bt, start + s * C::kTile + (int)threadIdx.x) : -1;
+    } else {
 #pragma unroll
-    for (int j = 0; j < C::kCopies; ++j) ahead[s][j] = token_offset(p, bt, start + s * C::kTile + copy_row(j));
+      for (int j = 0; j < C::kCopies; ++j) ahead[s][j] = token_offset(p, bt, start + s * C::kTile + copy_row(j));
+    }
+  }
   // The merge area (after the loop): the WN states' (m, l) and outputs, over the pipeline; a cluster
   // merge's per-head states and weights where the query rows were.
   float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
   float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
   float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][kLdA]
-  float* ml_s = reinterpret_cast<float*>(smem_raw);
+  float* ml_s = reinterpret_cast<float*>(q_s);
   // A skipped block (an empty partition) leaves, unless it is one of a merged cluster: it then runs no
   // tile and joins the merge with an empty state (the same code path, not a second copy of the merge).
   if (work.skip && !cluster_merged(p, work)) {
@@ -160,8 +199,8 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   // copy's row r of the tile.
   auto load_tile = [&](int tile, auto offset) {
     const int buf = tile % C::kStages;
-    T* ks = k_s + buf * C::kTile * C::kLd;
-    T* vs = v_s + buf * C::kTile * C::kLd;
+    T* ks = k_s + buf * C::kTile * C::kLdKV;
+    T* vs = v_s + buf * C::kTile * C::kLdKV;
     int64_t off[C::kCopies];  // all offsets first: one latency, not kCopies
 #pragma unroll
     for (int j = 0; j < C::kCopies; ++j) off[j] = offset(j, copy_row(j));
@@ -169,24 +208,58 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     for (int j = 0; j < C::kCopies; ++j) {
       const int r = copy_row(j), c = copy_chunk(j);
       const int64_t src = (off[j] < 0 ? 0 : off[j]) + c * C::kVec;
-      async_copy16_or_zero(ks + C::at(r, c), kbase + src, off[j] >= 0);
-      async_copy16_or_zero(vs + C::at(r, c), vbase + src, off[j] >= 0);
+      async_copy16_or_zero(ks + C::kv_at(r, c), kbase + src, off[j] >= 0);
+      async_copy16_or_zero(vs + C::kv_at(r, c), vbase + src, off[j] >= 0);
       if (c == 0) ok_s[buf * C::kTile + r] = off[j] >= 0;
     }
   };
+  // Boxes of box_rows = min(16, block size) rows (every slab at once; one slab a box under 16): the
+  // thread of row r (< kTile) of a tile sets its flag, and where r starts a box, issues its K and V
+  // boxes (block id -1, outside the map: zeros) on the stage's mbarrier.
+  const int bs_mask = (1 << p.block_size_log2) - 1, box_rows = min(C::kBoxRows, bs_mask + 1);
+  const int box_slabs = box_rows == C::kBoxRows ? 1 : C::kSlabs;  // boxes per row start, of K and of V
+  auto load_boxes = [&](int tile, int blk, int64_t off) {
+    const int buf = tile % C::kStages, r = (int)threadIdx.x;
+    ok_s[buf * C::kTile + r] = off >= 0;
+    if ((r & (box_rows - 1)) == 0) {
+      const int tb = (start + tile * C::kTile + r) & bs_mask, b = off >= 0 ? blk : -1;
+      mbar_expect(bar_s + buf, (uint32_t)(2 * box_rows * D * sizeof(T)));
+      for (int sl = 0; sl < box_slabs; ++sl) {
+        const int at = buf * C::kTile * C::kLdKV + C::kv_row(r, sl);
+        tma_load_5d(k_s + at, &p.k_map, 0, tb, sl, kvh, b, bar_s + buf);
+        tma_load_5d(v_s + at, &p.v_map, 0, tb, sl, kvh, b, bar_s + buf);
+      }
+    }
+  };
+  if constexpr (tma) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < C::kStages; ++s) mbar_init(bar_s + s, C::kTile / box_rows);
+      mbar_init_fence();
+    }
+    __syncthreads();
+  }
   // The first kStages - 1 tiles take their offsets from `ahead`; then tile i's row offsets are in
   // off_s[i % 2] at the top of iteration i - kStages + 1, and `pending` holds the next tile's.
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {  // the query rows travel with the first group
     if (s < ntiles) {
       const int t0 = start + s * C::kTile;
-      load_tile(s, [&](int j, int r) -> int64_t { return t0 + r < end ? ahead[s][j] : -1; });
+      if constexpr (tma) {
+        if (threadIdx.x < C::kTile)
+          load_boxes(s, ahead_blk[s], t0 + (int)threadIdx.x < end ? row_offset(s, ahead_blk[s]) : -1);
+      } else {
+        load_tile(s, [&](int j, int r) -> int64_t { return t0 + r < end ? ahead[s][j] : -1; });
+      }
     }
     async_copy_commit();
   }
   int pending = -1;  // the block id of this thread's row of the tile whose offsets go to off_s next
+  int next_blk = -1;  // (boxes) the block id and offset of this thread's row of the next tile to load
+  int64_t next_off = -1;
   if (threadIdx.x < C::kTile) {
-    off_s[(C::kStages - 1) % 2 * C::kTile + threadIdx.x] = row_offset(C::kStages - 1, row_block(C::kStages - 1));
+    next_blk = row_block(C::kStages - 1);
+    next_off = row_offset(C::kStages - 1, next_blk);
+    if constexpr (!tma) off_s[(C::kStages - 1) % 2 * C::kTile + threadIdx.x] = next_off;
     pending = row_block(C::kStages);
   }
   const bool prefetch = C::kPrefetch && ntiles >= kPrefetchTiles;
@@ -197,12 +270,18 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   auto load_ahead = [&](int tile) {
     const int next = tile + C::kStages - 1;
     if (next < ntiles) {
-      const int64_t* o = off_s + next % 2 * C::kTile;
-      load_tile(next, [&](int, int r) { return o[r]; });
+      if constexpr (tma) {
+        if (threadIdx.x < C::kTile) load_boxes(next, next_blk, next_off);
+      } else {
+        const int64_t* o = off_s + next % 2 * C::kTile;
+        load_tile(next, [&](int, int r) { return o[r]; });
+      }
     }
     if (threadIdx.x < C::kTile) {
       const int64_t o = row_offset(next + 1, pending);
-      off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = o;
+      if constexpr (!tma) off_s[(next + 1) % 2 * C::kTile + threadIdx.x] = o;
+      next_blk = pending;
+      next_off = o;
       if (prefetch && o >= 0 && next + 1 < ntiles) {
         prefetch_l2<D * (int)sizeof(T)>(kbase + o);
         prefetch_l2<D * (int)sizeof(T)>(vbase + o);
@@ -232,6 +311,16 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       load_ahead(tile);
     } else {
       async_copy_wait_pending<C::kStages - 2>();
+      if constexpr (tma) {
+        const int buf = tile % C::kStages;
+        mbar_wait(bar_s + buf, (uint32_t)(tile / C::kStages) & 1);
+        if (tile == ntiles - 1) {  // the last group's rows past the end came with its box: zeros (P is 0 there)
+          const int r0 = end - (start + tile * C::kTile), r1 = min(C::kTile, (r0 + 15) / 16 * 16);
+          T* vs = v_s + buf * C::kTile * C::kLdKV;
+          for (int i = (int)threadIdx.x; i < (r1 - r0) * C::kChunks; i += C::kThreads)
+            *reinterpret_cast<uint4*>(vs + C::kv_at(r0 + i / C::kChunks, i % C::kChunks)) = make_uint4(0, 0, 0, 0);
+        }
+      }
       if constexpr (C::kWg) fence_async_shared();  // the tensor cores read the tile (and Q) directly
     }
     __syncthreads();  // tile is in shared memory; every wave is done with tile - 1's buffer
@@ -241,8 +330,11 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     }
 
     const int buf = tile % C::kStages;
-    const T* ks = k_s + (buf * C::kTile + wn * C::kSlice) * C::kLd;
-    const T* vs = v_s + (buf * C::kTile + wn * C::kSlice) * C::kLd;
+    const T* ks = k_s + (buf * C::kTile + wn * C::kSlice) * C::kLdKV;  // (boxes: kb + kv_at(row, chunk))
+    const T* vs = v_s + (buf * C::kTile + wn * C::kSlice) * C::kLdKV;
+    const T* kb = k_s + buf * C::kTile * C::kLdKV;
+    const T* vb = v_s + buf * C::kTile * C::kLdKV;
+    const int lr = lane_id() % 16;  // the row (of 16) whose address this lane gives ldmatrix
     const uint8_t* ok = ok_s + buf * C::kTile + wn * C::kSlice;
 
     typename MT::C s[kNS];  // S = Q K^T, this wave's heads x tokens
@@ -267,7 +359,10 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
       for (int j = 0; j < kNS; ++j) {
         typename MT::B b;
-        MT::load_b_nk(b, ks + j * MT::N * C::kLd + kk * MT::K, C::kLd);
+        if constexpr (C::kBoxes)
+          MT::load_b_nk_at(b, kb + C::kv_at(wn * C::kSlice + j * MT::N + lr % 8, kk * MT::K / C::kVec + lr / 8));
+        else
+          MT::load_b_nk(b, ks + j * MT::N * C::kLd + kk * MT::K, C::kLd);
         MT::mma(s[j], a, b);
       }
     }
@@ -325,7 +420,10 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
       for (int n = 0; n < kND; ++n) {
         typename MT::B b;
-        MT::load_b_kn(b, vs + kk * MT::K * C::kLd + n * MT::N, C::kLd);
+        if constexpr (C::kBoxes)
+          MT::load_b_kn_at(b, vb + C::kv_at(wn * C::kSlice + kk * MT::K + lr, n * MT::N / C::kVec));
+        else
+          MT::load_b_kn(b, vs + kk * MT::K * C::kLd + n * MT::N, C::kLd);
         MT::mma(o[n], a, b);
       }
     }
@@ -365,7 +463,22 @@ ClusterCache& cluster_cache() {  // this kernel's resident blocks and clusters (
 template <typename T, int D, int WM, bool kSmall>
 int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStream_t stream) {
   typedef Cfg<T, D, WM, kSmall> C;
-  return launch_decode<T, D>(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), p, C::kRows, num_kv_heads,
+  Params q = p;
+  if constexpr (C::kBoxes) {  // the caches as [block][token][64-column slab][KV head][64 columns] (innermost last)
+    const uint64_t sz = sizeof(T), bs = 1ull << p.block_size_log2;
+    const uint64_t dims[5] = {(uint64_t)C::kAtomK, bs, (uint64_t)C::kSlabs, (uint64_t)num_kv_heads,
+                              (uint64_t)p.num_blocks};
+    const uint64_t strides[4] = {(uint64_t)p.kv_stride_tok * sz, 128, (uint64_t)p.kv_stride_head * sz,
+                                 (uint64_t)p.kv_stride_block * sz};
+    const bool whole = bs >= (uint64_t)C::kBoxRows;  // boxes of 16 rows and every slab, else of a block's rows and one slab
+    const uint32_t box[5] = {(uint32_t)C::kAtomK, whole ? (uint32_t)C::kBoxRows : (uint32_t)bs,
+                             whole ? (uint32_t)C::kSlabs : 1u, 1, 1};
+    // L2 fills of 128 bytes: 256 (each 128-byte box row then fetching its neighbour too) measured 2-10 %
+    // slower on the streaming shapes, no promotion ~0.5 % (NOTES.md, 2026-11-26)
+    HK_TRY(encode_tensor_map(&q.k_map, p.k, (int)sz, 5, dims, strides, box, 128));
+    HK_TRY(encode_tensor_map(&q.v_map, p.v, (int)sz, 5, dims, strides, box, 128));
+  }
+  return launch_decode<T, D>(&decode_kernel<T, D, WM, kSmall>, raised<T, D, WM, kSmall>(), q, C::kRows, num_kv_heads,
                              num_seqs, C::kThreads, C::bytes, device, stream,
                              "launch of paged_attention mma::decode_kernel", &cluster_cache<T, D, WM, kSmall>());
 }

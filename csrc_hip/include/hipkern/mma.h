@@ -7,6 +7,9 @@
 //   load_b_nk(b, s, ld)    B from shared memory holding B^T row-major ([N][K], k contiguous)
 //   load_b_nk2(b0, b1, s, ld)  the same for two adjacent n tiles (rows 0..N-1 and N..2N-1) at once
 //   load_b_kn(b, s, ld)    B from shared memory holding B row-major ([K][N], n contiguous)
+//   load_b_nk_at(b, row), load_b_kn_at(b, row)   the same two from any layout (NVIDIA only): lane l
+//                          (< 16) passes the address of its 8 elements: load_b_nk_at row l % 8 at k
+//                          8 * (l / 8); load_b_kn_at row k = l at the tile's first n
 //   mma(c, a, b)           c += a * b
 //   c_row(i), c_col(i)     where the lane's accumulator element i sits in C
 //   row_slot(i)            which of the lane's kRowSlots distinct rows element i belongs to
@@ -90,7 +93,9 @@ struct MmaTile {
   }
   static HK_DEVICE void load_b_nk(B& b, const T* s, int ld) {  // matrices n 0-7 x (k 0-7 | 8-15)
     const int l = lane_id() % 16;
-    const T* row = s + (l % 8) * ld + 8 * (l / 8);
+    load_b_nk_at(b, s + (l % 8) * ld + 8 * (l / 8));
+  }
+  static HK_DEVICE void load_b_nk_at(B& b, const T* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(b.r[0]), "=r"(b.r[1])
                  : "r"(smem_addr(row))
@@ -105,10 +110,12 @@ struct MmaTile {
                  : "memory");
   }
   static HK_DEVICE void load_b_kn(B& b, const T* s, int ld) {  // rows k 0-7 | 8-15, transposed
-    const int l = lane_id() % 16;
+    load_b_kn_at(b, s + (lane_id() % 16) * ld);
+  }
+  static HK_DEVICE void load_b_kn_at(B& b, const T* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(b.r[0]), "=r"(b.r[1])
-                 : "r"(smem_addr(s + l * ld))
+                 : "r"(smem_addr(row))
                  : "memory");
   }
   static HK_DEVICE void mma(C& c, const A& a, const B& b) { mma_ptx<T>::run(c, a.r, b.r); }

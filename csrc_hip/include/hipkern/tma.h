@@ -3,11 +3,12 @@
 // one thread copies a whole box of rows, completion counted in bytes on an mbarrier.
 //   TensorMap                   the map as a kernel argument holds it (128 opaque bytes, 64-byte
 //                               aligned; pass the kernel's argument by __grid_constant__, HK_GRID_CONSTANT)
-//   encode_tensor_map(map, base, elem_bytes, rank, dims, strides, box)   host: a tiled map of a
-//                               rank-dimensional array (dims innermost first, element counts; strides
-//                               in bytes of dims 1.., multiples of 16), boxes of box[] elements, the
-//                               innermost box dimension 128 bytes, 128-byte swizzle, out-of-bounds
-//                               elements read as zeros. Returns 0 or an error code (hk_last_error()).
+//   encode_tensor_map(map, base, elem_bytes, rank, dims, strides, box, l2_bytes = 256)   host: a tiled
+//                               map of a rank-dimensional array (dims innermost first, element counts;
+//                               strides in bytes of dims 1.., multiples of 16), boxes of box[] elements,
+//                               the innermost box dimension 128 bytes, 128-byte swizzle, out-of-bounds
+//                               elements read as zeros, L2 fills of l2_bytes (0: no promotion, 64, 128
+//                               or 256). Returns 0 or an error code (hk_last_error()).
 //   mbar_init(bar, count), mbar_init_fence()   one thread, before the barrier's first use, then a
 //                               block barrier
 //   mbar_expect(bar, bytes)     this thread's arrival, announcing `bytes` of copies to come
@@ -15,6 +16,7 @@
 //   tma_load_3d(dst, map, c0, c1, c2, bar)     the box at coordinates (c0 innermost) into dst
 //                               (1024-byte aligned), its bytes counted on bar; every box element
 //                               outside the array (negative coordinates too) becomes zero
+//   tma_load_5d(dst, map, c0, .., c4, bar)     the same for a rank-5 map
 // Elsewhere the device helpers compile to nothing and encode_tensor_map reports "not supported":
 // callers keep their copies there (kTma false).
 #pragma once
@@ -74,8 +76,17 @@ HK_DEVICE void tma_load_3d(void* dst, const TensorMap* map, int c0, int c1, int 
   (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)bar;
 }
 
+HK_DEVICE void tma_load_5d(void* dst, const TensorMap* map, int c0, int c1, int c2, int c3, int c4, uint64_t* bar) {
+  HK_TMA_ASM(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+      "[%7];\n" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar))
+      : "memory");
+  (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)c3, (void)c4, (void)bar;
+}
+
 inline int encode_tensor_map(TensorMap* map, const void* base, int elem_bytes, int rank, const uint64_t* dims,
-                             const uint64_t* strides, const uint32_t* box) {
+                             const uint64_t* strides, const uint32_t* box, int l2_bytes = 256) {
 #if defined(HK_WGMMA) && defined(HK_PLATFORM_CUDA)
   static_assert(sizeof(TensorMap) == sizeof(CUtensorMap), "an opaque CUtensorMap");
   typedef CUresult (*Encode)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -92,8 +103,13 @@ inline int encode_tensor_map(TensorMap* map, const void* base, int elem_bytes, i
   }();
   if (!encode) return set_invalid("tensor maps: the driver has no cuTensorMapEncodeTiled", __FILE__, __LINE__);
   if (rank < 1 || rank > 5 || (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4) ||
-      box[0] * (uint32_t)elem_bytes != 128)
-    return set_invalid("tensor maps: rank 1-5, 1/2/4-byte elements, 128-byte box rows", __FILE__, __LINE__);
+      box[0] * (uint32_t)elem_bytes != 128 || (l2_bytes != 0 && l2_bytes != 64 && l2_bytes != 128 && l2_bytes != 256))
+    return set_invalid("tensor maps: rank 1-5, 1/2/4-byte elements, 128-byte box rows, L2 fills of 0/64/128/256 bytes",
+                       __FILE__, __LINE__);
+  const CUtensorMapL2promotion promotion = l2_bytes == 0    ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                           : l2_bytes == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+                                           : l2_bytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                             : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   const CUtensorMapDataType type = elem_bytes == 1   ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16
                                                      : CU_TENSOR_MAP_DATA_TYPE_UINT32;
@@ -106,14 +122,14 @@ inline int encode_tensor_map(TensorMap* map, const void* base, int elem_bytes, i
     if (i > 0) s[i - 1] = strides[i - 1];
   }
   const CUresult r = encode(reinterpret_cast<CUtensorMap*>(map), type, (cuuint32_t)rank, const_cast<void*>(base), d, s,
-                            b, e, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            b, e, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return set_invalid("tensor maps: cuTensorMapEncodeTiled rejected the array (base 16-byte aligned, strides "
                        "multiples of 16 bytes below 2^40, dimensions at most 2^32)", __FILE__, __LINE__);
   return 0;
 #else
-  (void)map, (void)base, (void)elem_bytes, (void)rank, (void)dims, (void)strides, (void)box;
+  (void)map, (void)base, (void)elem_bytes, (void)rank, (void)dims, (void)strides, (void)box, (void)l2_bytes;
   return set_invalid("tensor maps need an sm_90a build", __FILE__, __LINE__);
 #endif
 }
