@@ -100,15 +100,18 @@ def test_long_contexts(variant, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("block_size,head_size", [(1, 128), (2, 64), (4, 256), (8, 128), (8, 256), (64, 128),
-                                                  (128, 64), (1024, 256)])
-def test_other_block_sizes_with_nan_past_each_end(variant, layout, block_size, head_size):
-    """Block sizes beside 16 / 32 (the kernels copy K/V a cache block at a time where they can), with
-    every cache row past a sequence's end in its blocks set to NaN: a kernel that lets one into a sum
-    fails. Lengths at the block, 16-token, 64-token tile and partition edges."""
-    lens = [1, 5, 17, 63, 64, 65, 300, 1000, 1025]
-    q, k, v, bt, cl = make_case(lens, num_kv_heads=2, group=8, head_size=head_size, block_size=block_size,
-                                layout=layout, seed=block_size + head_size)
+@pytest.mark.parametrize("block_size,head_size,group", [(1, 128, 8), (2, 64, 8), (4, 256, 8), (8, 128, 8),
+                                                        (8, 256, 8), (64, 128, 8), (128, 64, 8), (1024, 256, 8),
+                                                        (1, 128, 64), (4, 256, 64), (8, 64, 64), (16, 256, 64),
+                                                        (64, 128, 64)])
+def test_other_block_sizes_with_nan_past_each_end(variant, layout, block_size, head_size, group):
+    """Block sizes beside 16 / 32 (the kernels copy K/V a cache block at a time where they can: groups
+    of 16 tokens, 8 in the 64-head blocks of group 64), with every cache row past a sequence's end in
+    its blocks set to NaN: a kernel that lets one into a sum fails. Lengths at the block, 8- and
+    16-token, 64-token tile and partition edges."""
+    lens = [1, 5, 9, 17, 63, 64, 65, 300, 1000, 1025]
+    q, k, v, bt, cl = make_case(lens, num_kv_heads=2, group=group, head_size=head_size, block_size=block_size,
+                                layout=layout, seed=block_size + head_size + group)
     kk, vv = (k, v) if layout == "NHD" else (k.transpose(1, 2), v.transpose(1, 2))  # [block, token, head, D] views
     pos = torch.arange(bt.shape[1] * block_size, device="cuda")
     for s, n in enumerate(lens):

@@ -27,13 +27,14 @@
 // memory, and O += P V with P from registers (the accumulators turned into A fragments, as for
 // mma.sync) and V read as an MN-major operand, so no K, V or Q fragment passes through registers.
 // Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and the P scratch is unused.
-// Tensor-map boxes (sm_90a, hipkern/tma.h), every other block (Cfg::kBoxes): each 16-token group of a
-// K or V tile is one box of a cache block (16 tokens, one KV head, all columns) issued by the thread of
-// the group's first row, completion counted on the stage's mbarrier, so the waves issue no per-chunk
-// copies. The tiles then sit as [16-row group][64-column slab][16 rows][64 columns] with the boxes'
-// 128-byte swizzle; a group past the end or of an invalid block is a box outside the map (zeros), and
-// the rows past the end inside the last group are zeroed after it lands. Block sizes under 16: a box
-// per (cache block, slab), issued by the thread of the block's first row.
+// Tensor-map boxes (sm_90a, hipkern/tma.h; Cfg::kBoxes): each group of kBoxRows tokens of a K or V
+// tile (16; 8 for the 64-head blocks) is one box of a cache block (those tokens, one KV head, all
+// columns) issued by the thread of the group's first row, completion counted on the stage's mbarrier,
+// so the waves issue no per-chunk copies. The tiles then sit as [group][64-column slab][kBoxRows rows]
+// [64 columns] with the boxes' 128-byte swizzle (for groups of 8 rows that is Sw128 itself); a group
+// past the end or of an invalid block is a box outside the map (zeros), and the rows past the end
+// inside the last group are zeroed after it lands. Block sizes under kBoxRows: a box per (cache block,
+// slab), issued by the thread of the block's first row.
 #pragma once
 
 #include "common.h"
@@ -61,7 +62,7 @@ struct Cfg {
   static constexpr int kWaves = waves<WM, kSmall>(), kThreads = kWaves * kWaveSize;
   static constexpr int WN = kWaves / WM;  // waves sharing a head tile, each on a token slice
   static constexpr bool kWg = kWgmma && WM == 4 && !kSmall;  // two warpgroups: 64 heads x 32 tokens each
-  static constexpr bool kBoxes = kTma && !kWg && kAsyncCopy;  // K/V tiles as tensor-map boxes (see top)
+  static constexpr bool kBoxes = kTma && kAsyncCopy;  // K/V tiles as tensor-map boxes (see top)
   static constexpr int kTile = kSmall ? 32 : 64;  // tokens per pipeline stage
   static constexpr int kStages = !kAsyncCopy ? 1 : kSmall || D > 128 ? 2 : 3;  // (wgmma, head 256: 3 fit, no faster)
   // L2 prefetch of the tile after the copies' (in long partitions): v16's blocks of up to 32 heads
@@ -75,7 +76,7 @@ struct Cfg {
   static constexpr int kLdKV = kBoxes ? D : kLd;
   static constexpr int kVec = 16 / (int)sizeof(T);
   static HK_DEVICE int at(int r, int c) { return kWg ? L::at(r, c) : r * kLd + c * kVec; }  // Q: chunk c of row r
-  static constexpr int kBoxRows = 16, kAtomK = 128 / (int)sizeof(T), kSlabs = D / kAtomK;
+  static constexpr int kBoxRows = kWg ? 8 : 16, kAtomK = 128 / (int)sizeof(T), kSlabs = D / kAtomK;
   // kBoxes: where row r of 64-column slab sl of a K or V tile starts.
   static HK_DEVICE int kv_row(int r, int sl) { return ((r / kBoxRows * kSlabs + sl) * kBoxRows + r % kBoxRows) * kAtomK; }
   // Chunk c of row r of a K or V tile.
@@ -95,7 +96,7 @@ struct Cfg {
   static constexpr int kPipe = 2 * kStages * kStage;
   static constexpr int kLdA = merge_ld<D>();  // merge area row stride, floats
   static constexpr int kMerge = WN * kRows * (2 + kLdA) * 4;
-  static constexpr int kPipeBytes = kPipe > kMerge ? kPipe : kMerge;
+  static constexpr int kPipeBytes = ((kPipe > kMerge ? kPipe : kMerge) + 1023) / 1024 * 1024;
   static constexpr int kPipeAt = kBoxes ? 0 : kQ + kScratch, kQAt = kBoxes ? kPipeBytes : 0;
   static constexpr int kOffAt = kQ + kScratch + kPipeBytes;
   static constexpr int kOffsets = kBoxes ? 0 : 2 * kTile * 8;
@@ -105,7 +106,8 @@ struct Cfg {
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
   static_assert(bytes <= 227 * 1024 - 1024, "fits an sm_90 block's shared memory with 1 KB of static");
-  static_assert(!kWg || (kRows == 64 && kWaves == 8 && (kQ + kScratch) % 1024 == 0 && kStage % 1024 == 0),
+  static_assert(!kWg || (kRows == 64 && kWaves == 8 && kQAt % 1024 == 0 && kPipeAt % 1024 == 0 &&
+                         kStage % 1024 == 0 && (kBoxes || (kQ + kScratch) % 1024 == 0)),
                 "a warpgroup per token slice; 1024-byte aligned atoms");
   static_assert(kThreads >= kTile, "a thread per row reads the block table");
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
@@ -315,7 +317,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
         const int buf = tile % C::kStages;
         mbar_wait(bar_s + buf, (uint32_t)(tile / C::kStages) & 1);
         if (tile == ntiles - 1) {  // the last group's rows past the end came with its box: zeros (P is 0 there)
-          const int r0 = end - (start + tile * C::kTile), r1 = min(C::kTile, (r0 + 15) / 16 * 16);
+          const int r0 = end - (start + tile * C::kTile), r1 = min(C::kTile, (r0 + 15) / 16 * 16);  // (>= its box's end)
           T* vs = v_s + buf * C::kTile * C::kLdKV;
           for (int i = (int)threadIdx.x; i < (r1 - r0) * C::kChunks; i += C::kThreads)
             *reinterpret_cast<uint4*>(vs + C::kv_at(r0 + i / C::kChunks, i % C::kChunks)) = make_uint4(0, 0, 0, 0);
