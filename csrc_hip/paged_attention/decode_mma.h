@@ -215,9 +215,9 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       if (c == 0) ok_s[buf * C::kTile + r] = off[j] >= 0;
     }
   };
-  // Boxes of box_rows = min(16, block size) rows (every slab at once; one slab a box under 16): the
-  // thread of row r (< kTile) of a tile sets its flag, and where r starts a box, issues its K and V
-  // boxes (block id -1, outside the map: zeros) on the stage's mbarrier.
+  // Boxes of box_rows = min(kBoxRows, block size) rows (every slab at once; one slab a box for smaller
+  // blocks): the thread of row r (< kTile) of a tile sets its flag, and where r starts a box, issues
+  // its K and V boxes (block id -1, outside the map: zeros) on the stage's mbarrier.
   const int bs_mask = (1 << p.block_size_log2) - 1, box_rows = min(C::kBoxRows, bs_mask + 1);
   const int box_slabs = box_rows == C::kBoxRows ? 1 : C::kSlabs;  // boxes per row start, of K and of V
   auto load_boxes = [&](int tile, int blk, int64_t off) {
@@ -361,7 +361,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
       for (int j = 0; j < kNS; ++j) {
         typename MT::B b;
-        if constexpr (C::kBoxes)
+        if constexpr (tma)
           MT::load_b_nk_at(b, kb + C::kv_at(wn * C::kSlice + j * MT::N + lr % 8, kk * MT::K / C::kVec + lr / 8));
         else
           MT::load_b_nk(b, ks + j * MT::N * C::kLd + kk * MT::K, C::kLd);
@@ -422,7 +422,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
       for (int n = 0; n < kND; ++n) {
         typename MT::B b;
-        if constexpr (C::kBoxes)
+        if constexpr (tma)
           MT::load_b_kn_at(b, vb + C::kv_at(wn * C::kSlice + kk * MT::K + lr, n * MT::N / C::kVec));
         else
           MT::load_b_kn(b, vs + kk * MT::K * C::kLd + n * MT::N, C::kLd);
