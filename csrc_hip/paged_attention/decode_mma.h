@@ -472,11 +472,11 @@ int launch(const Params& p, int num_seqs, int num_kv_heads, int device, hipStrea
                               (uint64_t)p.num_blocks};
     const uint64_t strides[4] = {(uint64_t)p.kv_stride_tok * sz, 128, (uint64_t)p.kv_stride_head * sz,
                                  (uint64_t)p.kv_stride_block * sz};
-    const bool whole = bs >= (uint64_t)C::kBoxRows;  // boxes of 16 rows and every slab, else of a block's rows and one slab
+    const bool whole = bs >= (uint64_t)C::kBoxRows;  // boxes of kBoxRows rows and every slab, else of a block's rows and one slab
     const uint32_t box[5] = {(uint32_t)C::kAtomK, whole ? (uint32_t)C::kBoxRows : (uint32_t)bs,
                              whole ? (uint32_t)C::kSlabs : 1u, 1, 1};
-    // L2 fills of 128 bytes: 256 (each 128-byte box row then fetching its neighbour too) measured 2-10 %
-    // slower on the streaming shapes, no promotion ~0.5 % (NOTES.md, 2026-11-26)
+    // L2 fills of 128 bytes: 256 cost 6-10 % on the streaming shapes on an H200 (level on the H100), no
+    // promotion within 0.5 % of 128 (NOTES.md, 2026-11-26)
     HK_TRY(encode_tensor_map(&q.k_map, p.k, (int)sz, 5, dims, strides, box, 128));
     HK_TRY(encode_tensor_map(&q.v_map, p.v, (int)sz, 5, dims, strides, box, 128));
   }
