@@ -113,9 +113,8 @@ struct Cfg {
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
   static_assert(kClusterFloats<kRows> * 4 <= kQ, "a cluster merge's (m, l) fit where Q was");
-  static_assert(!kBoxes || (kStage % 1024 == 0 && kTile % kBoxRows == 0 && kQAt % 16 == 0 && kBarAt % 8 == 0 &&
-                            kThreads >= kTile),
-                "whole 1024-byte aligned boxes; a thread per row");
+  static_assert(!kBoxes || (kStage % 1024 == 0 && kTile % kBoxRows == 0 && kQAt % 16 == 0 && kBarAt % 8 == 0),
+                "whole 1024-byte aligned boxes");
 };
 
 template <typename T, int D, int WM, bool kSmall>
@@ -410,7 +409,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
         for (int h = 0; h < D / kN; ++h) {
           float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&o[h * kN / MT::N][0]);
-          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_sw128(vs + C::at(16 * kk, h * kN / C::kVec), C::L::kSbo, C::L::kLbo));
+          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_sw128(vs + C::kv_at(16 * kk, h * kN / C::kVec), C::L::kSbo, C::L::kLbo));
         }
       wgmma_commit();
       wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier
