@@ -381,8 +381,15 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   };
 
   // Every thread: its share of stage g's weight chunks (wgt) and token chunks (tok); g: ld's stage.
+  // M::kPrefetch: where the plan does not split K, the loader also asks L2 for the weights of the stage
+  // after the one it copies (one 128-byte line per row and line, by the thread of its first chunk),
+  // so that more DRAM requests are in flight than the stages hold. H100, bf16, D 7168, I 256, E 256,
+  // top-8, block_m 16 (NOTES.md, 2026-11-26 (5)): 16 tokens -2.2 %, 8 tokens -0.4 %; on split plans
+  // (routing piled onto few experts: a part or two a block) it cost 5-8 %, hence unsplit only.
+  const bool prefetch = M::kPrefetch && pl.split == 1;
   auto load = [&](int g, bool wgt, bool tok) {
     const int item = ld.item, slot = g % S, kc = ld.kc0 + ld.kp;  // kc: k-stage within the whole item
+    const bool part_goes_on = ld.kp + 1 < pl.kss;  // the next stage is this item's (and part's) too
     ld.advance(pl, G);
     if (item != cur_item) {
       if (cur_item >= 0) cur = nxt;
@@ -413,6 +420,8 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     }
     if (whole && k0 + M::kBK <= p.K) {
       if (wgt) wrows([&](int j, int r) { async_copy16(ws + M::at(r, c0), wsrc[j] + k0); });
+      if (prefetch && wgt && part_goes_on && k0 + 2 * M::kBK <= p.K && c0 % (128 / 16) == 0)
+        wrows([&](int j, int) { prefetch_l2<128>(wsrc[j] + k0 + M::kBK); });
       if (tok) xrows([&](int j, int m) {
         if (xsrc[j]) async_copy16(xs + x_at<M>(m, c0), xsrc[j] + k0);
       });

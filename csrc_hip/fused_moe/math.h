@@ -38,6 +38,10 @@
 //                                          64-element atom (Sw128, kBK = 64 at 16 bits): where the
 //                                          build has tensor maps (hipkern/tma.h) the down GEMM copies
 //                                          them as one box
+//   kPrefetch                              the loader also asks L2 for the next stage's weight rows
+//                                          where the plan does not split K (gemm.h): MmaMath's
+//                                          blocks of <= 16 token rows only (wgmma's and fp32's
+//                                          measured slower with it, 2026-11-25)
 //   kPreSplit                              the token rows are split rows (SplitMath<..., true>):
 //                                          a stage's token chunk c of row m goes to at_split(m, c),
 //                                          the row's scale for the stage to at_scale(m); the gated
@@ -62,7 +66,7 @@ struct MmaMath {
   static constexpr int kSlice = kBK / WK, kNT = kToks / MT::N;
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
-  static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
+  static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false, kPrefetch = BM <= 16;
   static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
   static HK_DEVICE void drain(Acc&) {}
@@ -141,6 +145,7 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   static_assert(WG % Passes == 0, "whole warpgroups a pass");
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
   static constexpr bool kWeightBox = BK * sizeof(T) == 128;  // one atom a row: a stage's rows are one box
+  static constexpr bool kPrefetch = false;
   static HK_DEVICE int at(int r, int c) { return L::at(r, c); }
 
   // All kToks token rows, padding included (zeros or stale rows whose columns are never stored): one
@@ -175,7 +180,7 @@ struct SimtMath {
   static constexpr int kSlice = kBK / WK;
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
-  static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false;
+  static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false, kPrefetch = false;
   static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
   static HK_DEVICE void drain(Acc&) {}
@@ -316,7 +321,7 @@ struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
                 "a token stage holds the planes and scales, in whole 1024-byte atoms");
   // The weight stages are read by ordinary loads, the planes through the async proxy: those built
   // here are fenced here, the loader's copies (PreSplit) by gemm.h.
-  static constexpr bool kAsyncReads = PreSplit, kPreSplit = PreSplit;
+  static constexpr bool kAsyncReads = PreSplit, kPreSplit = PreSplit, kPrefetch = false;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
   // Floats from a token stage's start: chunk c (plane c / 8) of split row r, and the row's scale.
   static HK_DEVICE int at_split(int r, int c) { return (c / 8 * kPlane + L::at(r, c % 8)) / 2; }
