@@ -414,7 +414,8 @@ def test_duplicate_ids_in_a_row_are_summed(dtype):
 
 def check_few_pairs(dtype, variant, block_m=None):
     """`variant` and the grouped chain on the same inputs, up to 32 pairs: one token at top-8, pairs
-    piled onto one expert, repeated ids, remote and all-remote experts, one pair."""
+    piled onto one expert, every token on the same experts, repeated ids, remote and all-remote
+    experts, one pair."""
     e = 64
     w1, w2 = make_weights(e, **ODD, dtype=dtype, seed=block_m or 0)
     emap, w1l, w2l, remote = half_remote(e, w1, w2, seed=block_m or 0)
@@ -423,6 +424,8 @@ def check_few_pairs(dtype, variant, block_m=None):
         (4, uniform_ids(4, 8, e, 2), None),
         (32, torch.full((32, 1), 63, dtype=torch.int32, device="cuda"), None),  # one expert, 32 rows
         (16, torch.tensor([[3, 3]], dtype=torch.int32, device="cuda").repeat(16, 1), None),
+        (4, uniform_ids(1, 8, e, 4).repeat(4, 1), None),  # every token on the same 8 experts
+        (5, uniform_ids(1, 6, e, 6).repeat(5, 1), None),  # the same at top-6
         (3, torch.randint(0, e, (3, 9), generator=_gen(5), device="cuda", dtype=torch.int32), None),
         (1, torch.tensor([[0]], dtype=torch.int32, device="cuda"), None),
         (4, uniform_ids(4, 8, e, 3), emap),
