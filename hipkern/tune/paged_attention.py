@@ -30,9 +30,9 @@ from .core import Candidate, Pruned, arch_info, dedupe, gpu_info, perftest_us
 PARAM_GRID = {
     "v3": {"partition_size": [256, 1024, 2048, 4096, 8192, 16384, 65536]},
     "v9": {"partition_size": [128, 256, 1024, 2048, 4096, 8192]},
-    "v16": {"partition_size": [256, 512, 2048, 4096, 8192, 65536]},
+    "v16": {"partition_size": [128, 256, 512, 1024, 2048, 4096, 8192, 65536]},
     "v5": {"blocks_per_slot": [2, 3], "partition_size": [64, 256, 512]},
-    "v6": {"partition_size": [32, 64, 128, 256, 512, 2048, 65536]},
+    "v6": {"partition_size": [32, 64, 128, 256, 512, 1024, 2048, 65536]},
 }
 # Parameter combinations tried as well (GQA groups above 16: the group split over blocks, small splits).
 COMBOS = {"v16": [{"heads_per_block": h, "partition_size": p} for h in (16, 32, 64) for p in (64, 128, 256, 512)]}
