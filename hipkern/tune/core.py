@@ -303,7 +303,7 @@ def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
     `complete_keys` into the database file; returns the database's row count. A database row whose
     candidate `new_rows` measured again is replaced by that measurement (the code it timed may have
     changed since), so a re-tune chooses among current times; rows of candidates not measured again
-    (another machine's, added by hand) still compete with them. With default_of (a row -> the name
+    (another machine's, added by hand) still compete with them, under the same rule. With default_of (a row -> the name
     of its shape's heuristic default candidate), a key's default wins within DEFAULT_MARGIN."""
     cpath = candidates_path(out)
     latest = {}
@@ -317,6 +317,13 @@ def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
     for r in rows:
         if row_key(schema, r) in complete_keys:
             per_key.setdefault(row_key(schema, r), []).append(r)
+    # A complete key's surviving database row joins its candidates before the default's margin is
+    # applied (it could otherwise beat the default by less than the margin after it).
+    for r in kept:
+        k = row_key(schema, r)
+        if k in per_key and (k, candidate_of(schema, r).name) not in latest:
+            per_key[k].append(r)
+    kept = [r for r in kept if row_key(schema, r) not in per_key]
     chosen = [r for k in sorted(per_key) for r in prefer_default(schema, per_key[k], default_of)]
     db = merge_best(schema, kept + chosen)
     write_csv(out, db, schema.columns)
