@@ -402,8 +402,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     const auto xrows = [&](auto body) { C::template for_rows<C::kXCopies, M::kToks>(r0, body); };
     // The stage's token rows' pairs, for the mma step and the epilogue, even for a stage past the end
     // of a short last part (split K): its item's epilogue runs on this slot. The down epilogue's
-    // routing weights travel with the stage, so that no item ends on a global load.
-    if (tok && c0 == 0) xrows([&](int j, int m) {
+    // routing weights travel with the stage, so that no item ends on a global load. Where step()
+    // does not read the pairs (M::kStepPairs), only the part's last stage, the epilogue's slot, gets
+    // them (NOTES.md, 2026-11-27).
+    if (tok && c0 == 0 && (M::kStepPairs || !part_goes_on)) xrows([&](int j, int m) {
       pair_s[slot * M::kToks + m] = xsrc[j] ? cur.pair[j] : p.num_pairs;
       if (!Gated && xsrc[j]) async_copy4(topk_s + slot * M::kToks + m, p.topk_weights + cur.pair[j]);
     });

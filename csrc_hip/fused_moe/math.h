@@ -42,6 +42,10 @@
 //                                          where the plan does not split K (gemm.h): MmaMath's
 //                                          blocks of <= 16 token rows only (wgmma's and fp32's
 //                                          measured slower with it, 2026-11-25)
+//   kStepPairs                             step() reads `pairs` (MmaMath, SimtMath: to skip padding
+//                                          token tiles); where it does not, the loader stages the
+//                                          pairs (and the down GEMM's routing weights) with an item's
+//                                          last stage only, which is all the epilogue reads
 //   kPreSplit                              the token rows are split rows (SplitMath<..., true>):
 //                                          a stage's token chunk c of row m goes to at_split(m, c),
 //                                          the row's scale for the stage to at_scale(m); the gated
@@ -67,6 +71,7 @@ struct MmaMath {
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false, kPrefetch = BM <= 16;
+  static constexpr bool kStepPairs = true;
   static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
   static HK_DEVICE void drain(Acc&) {}
@@ -145,7 +150,7 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   static_assert(WG % Passes == 0, "whole warpgroups a pass");
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
   static constexpr bool kWeightBox = BK * sizeof(T) == 128;  // one atom a row: a stage's rows are one box
-  static constexpr bool kPrefetch = false;
+  static constexpr bool kPrefetch = false, kStepPairs = false;
   static HK_DEVICE int at(int r, int c) { return L::at(r, c); }
 
   // All kToks token rows, padding included (zeros or stale rows whose columns are never stored): one
@@ -155,10 +160,11 @@ struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
     constexpr int N = Base::kToks;
     const T* w = w_s + 64 * (Base::wr() / 4) * BK;  // at(64 g, 0)
     float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc.c[0][0]);
+    const uint64_t dw = wgmma_desc_sw128(w, L::kSbo), dx = wgmma_desc_sw128(x_s, L::kSbo);
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < BK / 16; ++s)
-      Wgmma<T, N>::mma(d, wgmma_desc_sw128(w + L::k16(s), L::kSbo), wgmma_desc_sw128(x_s + L::k16(s), L::kSbo));
+      Wgmma<T, N>::mma(d, wgmma_desc_add(dw, L::k16(s) * sizeof(T)), wgmma_desc_add(dx, L::k16(s) * sizeof(T)));
     wgmma_commit();
     wgmma_wait<Lag>();  // the buffers of the stage Lag steps back are free at the loop's next barrier
   }
@@ -181,6 +187,7 @@ struct SimtMath {
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false, kPrefetch = false;
+  static constexpr bool kStepPairs = true;
   static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
   static HK_DEVICE void drain(Acc&) {}
@@ -321,7 +328,7 @@ struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
                 "a token stage holds the planes and scales, in whole 1024-byte atoms");
   // The weight stages are read by ordinary loads, the planes through the async proxy: those built
   // here are fenced here, the loader's copies (PreSplit) by gemm.h.
-  static constexpr bool kAsyncReads = PreSplit, kPreSplit = PreSplit, kPrefetch = false;
+  static constexpr bool kAsyncReads = PreSplit, kPreSplit = PreSplit, kPrefetch = false, kStepPairs = false;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
   // Floats from a token stage's start: chunk c (plane c / 8) of split row r, and the row's scale.
   static HK_DEVICE int at_split(int r, int c) { return (c / 8 * kPlane + L::at(r, c % 8)) / 2; }
@@ -394,9 +401,10 @@ struct SplitMath : MmaMath<half_t, 4 * WG, 1, BM, BK, Stages> {
     };
     // W0 X0 into d, W0 X1 + W1 X0 into e: fresh accumulators, set by their first products (add = 0).
     float d[kToks / 2], e[kToks / 2];
+    const uint64_t p0 = wgmma_desc_sw128(planes, L::kSbo), p1 = wgmma_desc_add(p0, kPlane * sizeof(half_t));
     auto mma = [&](const uint32_t (&a)[2][4], int s) {
-      const uint64_t b0 = wgmma_desc_sw128(planes + L::k16(s), L::kSbo);
-      const uint64_t b1 = wgmma_desc_sw128(planes + kPlane + L::k16(s), L::kSbo);
+      const uint64_t b0 = wgmma_desc_add(p0, L::k16(s) * sizeof(half_t));
+      const uint64_t b1 = wgmma_desc_add(p1, L::k16(s) * sizeof(half_t));
       Wgmma<half_t, kToks>::mma_rk(d, a[0], b0, s > 0);
       Wgmma<half_t, kToks>::mma_rk(e, a[0], b1, s > 0);
       Wgmma<half_t, kToks>::mma_rk(e, a[1], b0);

@@ -345,11 +345,12 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       for (int i = 0; i < MT::kC; ++i) s[j][i] = 0.f;
     if constexpr (C::kWg) {  // the warpgroup's 64 heads x kSlice tokens (ks: the slice's first row, atom-aligned)
       float(&d)[kNS * MT::kC] = *reinterpret_cast<float(*)[kNS * MT::kC]>(&s[0][0]);
+      const uint64_t dq = wgmma_desc_sw128(q_s, C::L::kSbo), dk = wgmma_desc_sw128(ks, C::L::kSbo);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        Wgmma<T, C::kSlice>::mma(d, wgmma_desc_sw128(q_s + C::L::k16(kk), C::L::kSbo),
-                                 wgmma_desc_sw128(ks + C::L::k16(kk), C::L::kSbo));
+        Wgmma<T, C::kSlice>::mma(d, wgmma_desc_add(dq, C::L::k16(kk) * sizeof(T)),
+                                 wgmma_desc_add(dk, C::L::k16(kk) * sizeof(T)));
       wgmma_commit();
       wgmma_wait<0>();
     } else
@@ -403,13 +404,14 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       typename MT::A a[C::kSlice / 16];  // made before the fence: registers wgmma reads
 #pragma unroll
       for (int kk = 0; kk < C::kSlice / 16; ++kk) MT::a_from_c(a[kk], &s[kk * 16 / MT::N], tmp);
+      const uint64_t dv = wgmma_desc_sw128(vs, C::L::kSbo, C::L::kLbo);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < C::kSlice / 16; ++kk)
 #pragma unroll
         for (int h = 0; h < D / kN; ++h) {
           float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&o[h * kN / MT::N][0]);
-          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_sw128(vs + C::kv_at(16 * kk, h * kN / C::kVec), C::L::kSbo, C::L::kLbo));
+          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_add(dv, C::kv_at(16 * kk, h * kN / C::kVec) * sizeof(T)));
         }
       wgmma_commit();
       wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier

@@ -21,6 +21,7 @@
 //                               address (K-major: + k16(s) per k step), sbo the bytes between 8-row
 //                               groups; MN-major operands (rows along K, 64 elements of M or N per
 //                               atom) also lbo, the bytes between atoms along M / N
+//   wgmma_desc_add(desc, bytes)   the same operand `bytes` further on (a k step: k16(s) elements)
 //   wgmma_fence() / wgmma_commit() / wgmma_wait<N>()   around a batch of mma (the accumulators are
 //                               not touched between the fence and the wait)
 //   fence_async_shared()        makes this thread's shared-memory writes (stores, cp.async)
@@ -61,6 +62,12 @@ HK_DEVICE uint64_t wgmma_desc_sw128(const void* p, uint32_t sbo, uint32_t lbo = 
   return 0;
 #endif
 }
+
+// The descriptor of the operand `bytes` (a multiple of 16) further on: the start-address field is the
+// shared address / 16 in the low 14 bits and shared memory ends below 256 KB, so the advance adds to it
+// without a carry. A descriptor made once and advanced per k step costs an add where a new one costs
+// the address conversion and its masks (sm_90a: ~5 instructions per operand and step).
+HK_DEVICE constexpr uint64_t wgmma_desc_add(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 template <typename T, int K>
 struct Sw128 {
