@@ -303,8 +303,9 @@ def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
     `complete_keys` into the database file; returns the database's row count. A database row whose
     candidate `new_rows` measured again is replaced by that measurement (the code it timed may have
     changed since), so a re-tune chooses among current times; rows of candidates not measured again
-    (another machine's, added by hand) still compete with them, under the same rule. With default_of (a row -> the name
-    of its shape's heuristic default candidate), a key's default wins within DEFAULT_MARGIN."""
+    (another machine's, added by hand) still compete with them, under the same rule. With default_of
+    (a row -> the name of its shape's heuristic default candidate), a key's default wins within
+    DEFAULT_MARGIN."""
     cpath = candidates_path(out)
     latest = {}
     for r in _load(schema, cpath) + list(new_rows):
