@@ -135,6 +135,10 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   constexpr bool tma = C::kBoxes;
 
   griddep_launch_dependents();  // the merge kernel (split launches) may be scheduled once all blocks run
+  if (tma && threadIdx.x == 0) {  // the maps' descriptors come while the block table is read
+    tma_prefetch_map(&p.k_map);
+    tma_prefetch_map(&p.v_map);
+  }
   const BlockWork work = block_work<C::kRows, C::kTile, C::kThreads, true>(p);
   const int seq = max(work.seq, 0), start = work.start, end = work.end;  // seq < 0 only when skipped
   const int kvh = work.kvh, head0 = work.head0, nh = work.nh;

@@ -17,6 +17,9 @@
 //                               (1024-byte aligned), its bytes counted on bar; every box element
 //                               outside the array (negative coordinates too) becomes zero
 //   tma_load_5d(dst, map, c0, .., c4, bar)     the same for a rank-5 map
+//   tma_prefetch_map(map)       ask for the map's descriptor ahead of the first copy that uses it
+//                               (one thread, at the kernel's start: the fetch then overlaps the loads
+//                               the first copy waits for, not the copy itself)
 // Elsewhere the device helpers compile to nothing and encode_tensor_map reports "not supported":
 // callers keep their copies there (kTma false).
 #pragma once
@@ -83,6 +86,11 @@ HK_DEVICE void tma_load_5d(void* dst, const TensorMap* map, int c0, int c1, int 
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar))
       : "memory");
   (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)c3, (void)c4, (void)bar;
+}
+
+HK_DEVICE void tma_prefetch_map(const TensorMap* map) {
+  HK_TMA_ASM("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+  (void)map;
 }
 
 inline int encode_tensor_map(TensorMap* map, const void* base, int elem_bytes, int rank, const uint64_t* dims,
