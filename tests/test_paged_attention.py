@@ -296,6 +296,25 @@ def test_split_merged_in_clusters(variant, heads_per_block, head_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_per_block,head_size", [(16, 256), (16, 128), (64, 256)])
+def test_trace_records_every_point_in_order(heads_per_block, head_size):
+    """hipkern.bench.pa_trace (the HK_PA_TRACE build) on a split merged in clusters (sm_90) or by the merge
+    kernel: every block records every point of its path, and the points' medians come in order."""
+    if torch.version.cuda is None:
+        pytest.skip("the traced build is NVIDIA only")
+    from hipkern.bench import pa_trace
+
+    with pinned(Candidate.of("v16", partition_size=64, heads_per_block=heads_per_block)):
+        t = pa_trace.run(2, 256, 64, 1 if heads_per_block == 64 else 4, head_size, calls=3)
+    clusters = torch.cuda.get_device_capability()[0] == 9
+    want = [p for p in pa_trace.POINTS if clusters or p != "cluster barrier passed"]
+    assert list(t) == want
+    medians = [t[p][2] for p in want]
+    assert t["start"][0] == 0 and all(a <= b for a, b in zip(medians, medians[1:])), t
+    assert 0 < medians[-1] < 1000, t
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("alias", sorted(ALIASES))
 def test_aliases_run_their_variant(alias):
     case = make_case([1, 64, 1000], num_kv_heads=2, group=8)

@@ -47,6 +47,25 @@ struct Params {
 
 constexpr int kMaxCluster = 8;  // the portable cluster size
 
+// HK_PA_TRACE (a diagnostic build, NVIDIA only; hipkern/bench/pa_trace.py): thread 0 of each block
+// records %globaltimer at the points of the matrix-core kernel into hk_pa_trace[block][point] (the
+// block numbered x fastest, then y, then z); hk_paged_attention_trace() reads the table and clears it. Points: 0 start, 1 context length known, 2 first tile in shared memory, 3 loop done,
+// 4 the waves' states merged (output or partial written, or the cluster merge's state ready),
+// 5 cluster barrier passed (cluster merge only), 6 end.
+constexpr int kTraceBlocks = 4096, kTracePoints = 8;
+#if defined(HK_PA_TRACE) && defined(HK_PLATFORM_CUDA)
+__device__ unsigned long long hk_pa_trace[kTraceBlocks][kTracePoints];
+HK_DEVICE void trace_point(int i) {
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x != 0 || b >= (unsigned)kTraceBlocks) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  hk_pa_trace[b][i] = t;
+}
+#else
+HK_DEVICE void trace_point(int) {}
+#endif
+
 // A sequence's context length, clamped to what its block-table row can address (never negative).
 HK_DEVICE int context_len(const Params& p, int seq) {
   const int64_t cap = (int64_t)p.max_blocks_per_seq << p.block_size_log2;
@@ -200,6 +219,7 @@ template <typename T, int D, int kRows, int kThreads, int kLd>
 HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
   const int n = p.cluster;
   cluster_sync();  // every block's state is written
+  trace_point(5);
   constexpr int kPerRow = D / 4;
   const int total = w.nh * kPerRow, share = (total + n - 1) / n, hi = min(total, (w.part + 1) * share);
   for (int i = w.part * share + (int)threadIdx.x; i < hi; i += kThreads) {
@@ -300,6 +320,7 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
       store_from_float<T, kV>(static_cast<T*>(p.out) + ((int64_t)w.seq * p.num_q_heads + w.head0 + h) * D + d, o);
     }
   }
+  trace_point(4);
   if (in_cluster) cluster_merge<T, D, kRows, kThreads, kLd>(p, ml_s, a_w, w);
 }
 

@@ -134,6 +134,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   uint64_t* bar_s = reinterpret_cast<uint64_t*>(smem_raw + C::kBarAt);  // kBoxes: [kStages]
   constexpr bool tma = C::kBoxes;
 
+  trace_point(0);
   griddep_launch_dependents();  // the merge kernel (split launches) may be scheduled once all blocks run
   if (tma && threadIdx.x == 0) {  // the maps' descriptors come while the block table is read
     tma_prefetch_map(&p.k_map);
@@ -193,6 +194,9 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const T* kbase = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_head;
   const T* vbase = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_head;
   const int ntiles = work.skip ? 0 : (end - start + C::kTile - 1) / C::kTile;
+#if defined(HK_PA_TRACE)
+  if (ntiles >= 0) trace_point(1);  // (waits for the context length)
+#endif
   // Row threadIdx.x (< kTile) of a tile: its block id (-1 past the end), read a tile before its cache
   // offset (-1: masked, past the end or an invalid block) is made, so no wave waits on the read.
   auto row_block = [&](int tile) -> int {
@@ -329,6 +333,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       if constexpr (C::kWg) fence_async_shared();  // the tensor cores read the tile (and Q) directly
     }
     __syncthreads();  // tile is in shared memory; every wave is done with tile - 1's buffer
+    if (tile == 0) trace_point(2);
     if constexpr (C::kStages > 1) {
       load_ahead(tile);
       async_copy_commit();
@@ -435,6 +440,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       }
     }
   }
+  trace_point(3);
 #pragma unroll
   for (int r = 0; r < MT::kRowSlots; ++r) l[r] = group_sum<MT::kRowLanes>(l[r]);
 
@@ -453,6 +459,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   for (int n = 0; n < kND; ++n) MT::store_c(a_w + row0 * C::kLdA + n * MT::N, C::kLdA, o[n]);
   __syncthreads();
   finish<T, D, C::WN, C::kRows, C::kThreads, C::kLdA>(p, m_w, l_w, a_w, work, ml_s);
+  trace_point(6);
 }
 
 template <typename T, int D, int WM, bool kSmall>

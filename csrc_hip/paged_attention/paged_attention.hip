@@ -129,3 +129,16 @@ HK_EXPORT int hk_paged_attention_cluster_merge(int kernel, int heads_per_block, 
   *out = yes ? 1 : 0;
   return 0;
 }
+
+#if defined(HK_PA_TRACE) && defined(HK_PLATFORM_CUDA)
+// The trace of the calls since the last read (common.h): n blocks x kTracePoints timestamps into host
+// memory; the table is cleared after it is read.
+HK_EXPORT int hk_paged_attention_trace(void* host, int n) {
+  using hk::paged_attention::hk_pa_trace;
+  void* dev = nullptr;
+  if (cudaMemcpyFromSymbol(host, hk_pa_trace, (size_t)n * sizeof(hk_pa_trace[0])) != cudaSuccess ||
+      cudaGetSymbolAddress(&dev, hk_pa_trace) != cudaSuccess || cudaMemset(dev, 0, sizeof(hk_pa_trace)) != cudaSuccess)
+    return 1;
+  return 0;
+}
+#endif
