@@ -261,15 +261,17 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
 }
 
 // The end of a block: merge kStates softmax states of its nh query heads (m_w, l_w: [kStates][kRows];
-// a_w: [kStates][kRows][kLd] with outputs in [0, D), 16-byte aligned, in shared memory) and write the
-// output rows, or the unnormalised partials and (m, l) when w.partial. m_w and l_w are overwritten
+// a_w: [kOStates][kRows][kLd] with outputs in [0, D), 16-byte aligned, in shared memory) and write the
+// output rows, or the unnormalised partials and (m, l) when w.partial. kOStates 1: the states share
+// one running max (equal m, or -inf) and a_w holds their summed outputs. m_w and l_w are overwritten
 // (per-head weights). In a merged cluster (cluster_merged; ml_s: kClusterFloats<kRows> floats of
 // shared memory) the partial stays in shared memory (a_w's first state, ml_s) for cluster_merge
 // instead.
-template <typename T, int D, int kStates, int kRows, int kThreads, int kLd = D>
+template <typename T, int D, int kStates, int kRows, int kThreads, int kLd = D, int kOStates = kStates>
 HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const BlockWork& w,
                       float* ml_s = nullptr) {
   static_assert(D % 4 == 0 && kLd % 4 == 0 && (2 * kStates * kRows) % 4 == 0, "16-byte rows of a_w");
+  static_assert(kOStates == kStates || kOStates == 1, "an output per state, or one for all");
   const bool in_cluster = ml_s != nullptr && cluster_merged(p, w);
   if (threadIdx.x < w.nh) {  // per head: each state's weight (into m_w), and the output scale (l_w[h])
     const int h = threadIdx.x;
@@ -295,14 +297,21 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
     }
     l_w[h] = w.partial ? 1.f : L > 0.f ? 1.f / L : 0.f;
   }
+  if constexpr (kOStates == 1) {  // a_w holds the cluster merge's outputs as they are (its barrier orders ml_s)
+    if (in_cluster) {
+      trace_point(4);
+      cluster_merge<T, D, kRows, kThreads, kLd>(p, ml_s, a_w, w);
+      return;
+    }
+  }
   __syncthreads();
   constexpr int kV = 4, kPerRow = D / kV;
   for (int i = threadIdx.x; i < w.nh * kPerRow; i += kThreads) {
     const int h = i / kPerRow, d = i % kPerRow * kV;
     float o[kV] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      const float c = m_w[s * kRows + h];
+    for (int s = 0; s < kOStates; ++s) {
+      const float c = kOStates == 1 ? 1.f : m_w[s * kRows + h];
       const float4 a = *reinterpret_cast<const float4*>(a_w + (s * kRows + h) * kLd + d);
       o[0] += a.x * c;
       o[1] += a.y * c;

@@ -15,8 +15,11 @@
 //     launcher reports it; the Python op rejects it first).
 //   Waves: WM (head tiles) x WN (token slices of each tile); a wave computes, for its 16 heads and
 //     its kTile / WN tokens, S = Q K^T (MmaTile, fp32), the online softmax in the log2 domain on the
-//     accumulators, and O += P V with P rounded to the cache dtype (as flash attention does).
-//   The WN states of each head tile merge through shared memory (finish() in common.h); a uniform
+//     accumulators, and O += P V with P rounded to the cache dtype (as flash attention does): for its
+//     slice and all D columns, or (Cfg::kSplitD, head size 256) for D / WN columns over the whole tile,
+//     P of every slice coming through shared memory after the slices' row maxima met there.
+//   The WN states of each head tile merge through shared memory (finish() in common.h; under kSplitD
+//   they share one running max and hold disjoint columns, so only their (m, l) merge); a uniform
 //   split of at most kMaxCluster partitions runs, where the build has clusters (sm_90a), as one
 //   thread-block cluster per (sequence, head group) that merges its partitions in distributed shared
 //   memory (cluster_merge), else through partials and the merge kernel.
@@ -26,7 +29,8 @@
 // that computes S = Q K^T for all 64 heads with both operands read by the tensor cores from shared
 // memory, and O += P V with P from registers (the accumulators turned into A fragments, as for
 // mma.sync) and V read as an MN-major operand, so no K, V or Q fragment passes through registers.
-// Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and the P scratch is unused.
+// Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and no P goes through shared
+// memory.
 // Tensor-map boxes (sm_90a, hipkern/tma.h; Cfg::kBoxes): each group of kBoxRows tokens of a K or V
 // tile (16; 8 for the 64-head blocks) is one box of a cache block (those tokens, one KV head, all
 // columns) issued by the thread of the group's first row, completion counted on the stage's mbarrier,
@@ -69,7 +73,17 @@ struct Cfg {
   // with cp.async copies; the 64-head (wgmma) and v6 blocks measured slower with it (NOTES.md,
   // 2026-11-25), and so did the boxes (2.5-3 % at 64-128 x 4096 on the H100; 2026-11-26).
   static constexpr bool kPrefetch = !kWg && !kSmall && !kBoxes;
-  static constexpr int kSlice = kTile / WN;  // tokens per wave per tile
+  static constexpr int kSlice = kTile / WN;  // tokens per wave per tile (S = Q K^T)
+  // kSplitD: O += P V by each of a head tile's WN waves for D / WN of the output columns over the whole
+  // tile, P of every slice through shared memory (kLdP: its row stride) after the slices' row maxima
+  // met there, so that the block's end merges no outputs (4 x 16 KB of them: 16 heads of 256): two
+  // barriers more a tile for a lighter end. H100 (NOTES.md, 2026-11-27): 1 x 256 x 64:1 x 256 10.4 ->
+  // 9.8 us; head size 128's small and mid shapes lost up to 3 %, the 32-head blocks at head size 256
+  // (two states) 2.3 % at 16 x 2048 x 64:1: hence 4 waves a head tile at head size 256 only.
+  static constexpr bool kSplitD = !kWg && D >= 256 && WN >= 4;
+  static constexpr int kOCols = kSplitD ? D / WN : D;  // output columns a wave holds
+  static constexpr int kOStates = kSplitD ? 1 : WN;    // output states the block's end merges
+  static constexpr int kLdP = kTile + 8;
   static constexpr int kRows = 16 * WM;      // query heads per block
   typedef Sw128<T, D> L;                     // the layout of Q, K and V rows where kWg
   static constexpr int kLd = kWg ? D : D + 8;  // Q's shared row stride, elements (and K/V's unless kBoxes)
@@ -87,15 +101,17 @@ struct Cfg {
       return at(r, c);
   }
   static constexpr int kChunks = D / kVec;   // 16-byte chunks per row
-  // shared memory (bytes): Q | per-wave P scratch | pipeline (reused by the merge) | row offsets of
-  // two tiles | token flags | (kBoxes) an mbarrier per stage; kBoxes puts the pipeline first (its
-  // boxes 1024-byte aligned)
+  // shared memory (bytes): Q | P scratch (per wave; kSplitD: P of the tile and the row maxima) |
+  // pipeline (reused by the merge) | row offsets of two tiles | token flags | (kBoxes) an mbarrier per
+  // stage; kBoxes puts the pipeline first (its boxes 1024-byte aligned)
   static constexpr int kQ = kRows * kLd * (int)sizeof(T);
-  static constexpr int kScratch = kWg ? 0 : kWaves * MT::M * MT::K * (int)sizeof(T);
+  static constexpr int kScratch = kWg        ? 0
+                                  : kSplitD ? (WM * MT::M * kLdP * (int)sizeof(T) + WN * kRows * 4 + 15) / 16 * 16
+                                            : kWaves * MT::M * MT::K * (int)sizeof(T);
   static constexpr int kStage = kTile * kLdKV * (int)sizeof(T);  // one K or V tile
   static constexpr int kPipe = 2 * kStages * kStage;
   static constexpr int kLdA = merge_ld<D>();  // merge area row stride, floats
-  static constexpr int kMerge = WN * kRows * (2 + kLdA) * 4;
+  static constexpr int kMerge = (2 * WN + kOStates * kLdA) * kRows * 4;  // (m, l) per state, outputs
   static constexpr int kPipeBytes = ((kPipe > kMerge ? kPipe : kMerge) + 1023) / 1024 * 1024;
   static constexpr int kPipeAt = kBoxes ? 0 : kQ + kScratch, kQAt = kBoxes ? kPipeBytes : 0;
   static constexpr int kOffAt = kQ + kScratch + kPipeBytes;
@@ -104,7 +120,8 @@ struct Cfg {
   static constexpr int kBarAt = kOffAt + kOffsets + kFlags;
   static constexpr int bytes = kBarAt + (kBoxes ? 8 * kStages : 0);
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
-  static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0, "wave layout");
+  static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0 && kOCols % MT::N == 0,
+                "wave layout");
   static_assert(bytes <= 227 * 1024 - 1024, "fits an sm_90 block's shared memory with 1 KB of static");
   static_assert(!kWg || (kRows == 64 && kWaves == 8 && kQAt % 1024 == 0 && kPipeAt % 1024 == 0 &&
                          kStage % 1024 == 0 && (kBoxes || (kQ + kScratch) % 1024 == 0)),
@@ -122,7 +139,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   typedef Cfg<T, D, WM, kSmall> C;
   typedef typename C::MT MT;
   constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
-  constexpr int kND = D / MT::N;          // output tiles per wave
+  constexpr int kND = C::kOCols / MT::N;  // output tiles per wave
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms (where kWg)
   T* q_s = reinterpret_cast<T*>(smem_raw + C::kQAt);
   T* scratch = q_s + C::kQ / (int)sizeof(T);
@@ -302,7 +319,9 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const int wave = threadIdx.x / kWaveSize;
   const int wm = wave % WM, wn = wave / WM;
   const T* q_w = q_s + wm * MT::M * C::kLd;
-  T* tmp = scratch + wave * MT::M * MT::K;
+  T* tmp = scratch + wave * MT::M * MT::K;  // a_from_c's (neither kWg nor kSplitD)
+  T* p_w = scratch + wm * MT::M * C::kLdP;  // kSplitD: P of the head tile, [16][kTile] (kLdP)
+  float* mx_s = reinterpret_cast<float*>(scratch + WM * MT::M * C::kLdP);  // kSplitD: [WN][kRows] row maxima
   float o[kND][MT::kC], m[MT::kRowSlots], l[MT::kRowSlots];
 #pragma unroll
   for (int n = 0; n < kND; ++n)
@@ -388,10 +407,25 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
         s[j][i] = ok[j * MT::N + MT::c_col(i)] ? s[j][i] * p.scale_log2 : -INFINITY;
         mx[MT::row_slot(i)] = fmaxf(mx[MT::row_slot(i)], s[j][i]);
       }
+#pragma unroll
+    for (int r = 0; r < MT::kRowSlots; ++r) mx[r] = group_max<MT::kRowLanes>(mx[r]);
+    if constexpr (C::kSplitD) {  // every slice's row maxima: one running max for the head tile
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i)
+        if (MT::c_col(i) == 0) mx_s[wn * C::kRows + wm * MT::M + MT::c_row(i)] = mx[MT::row_slot(i)];
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < MT::kC; ++i) {
+        float v = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < C::WN; ++w) v = fmaxf(v, mx_s[w * C::kRows + wm * MT::M + MT::c_row(i)]);
+        mx[MT::row_slot(i)] = v;
+      }
+    }
     float alpha[MT::kRowSlots];
 #pragma unroll
     for (int r = 0; r < MT::kRowSlots; ++r) {
-      const float mn = fmaxf(m[r], group_max<MT::kRowLanes>(mx[r]));
+      const float mn = fmaxf(m[r], mx[r]);
       alpha[r] = merge_weight(m[r], mn);
       m[r] = mn;
       l[r] *= alpha[r];
@@ -424,19 +458,42 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
         }
       wgmma_commit();
       wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier
-    } else
+    } else if constexpr (C::kSplitD) {  // O += P V: P of every slice, then this wave's columns over the tile
 #pragma unroll
-    for (int kk = 0; kk < C::kSlice / MT::K; ++kk) {  // O += P V
-      typename MT::A a;
-      MT::a_from_c(a, &s[kk * MT::K / MT::N], tmp);
+      for (int j = 0; j < kNS; ++j)
 #pragma unroll
-      for (int n = 0; n < kND; ++n) {
-        typename MT::B b;
-        if constexpr (tma)
-          MT::load_b_kn_at(b, vb + C::kv_at(wn * C::kSlice + kk * MT::K + lr, n * MT::N / C::kVec));
-        else
-          MT::load_b_kn(b, vs + kk * MT::K * C::kLd + n * MT::N, C::kLd);
-        MT::mma(o[n], a, b);
+        for (int i = 0; i < MT::kC; ++i)
+          p_w[MT::c_row(i) * C::kLdP + wn * C::kSlice + j * MT::N + MT::c_col(i)] = from_float<T>(s[j][i]);
+      __syncthreads();  // (P is rewritten after the next tile's first barrier: every wave has read it)
+#pragma unroll
+      for (int kk = 0; kk < C::kTile / MT::K; ++kk) {
+        typename MT::A a;
+        MT::load_a(a, p_w + kk * MT::K, C::kLdP);
+#pragma unroll
+        for (int n = 0; n < kND; ++n) {
+          typename MT::B b;
+          const int col = wn * C::kOCols + n * MT::N;
+          if constexpr (tma)
+            MT::load_b_kn_at(b, vb + C::kv_at(kk * MT::K + lr, col / C::kVec));
+          else
+            MT::load_b_kn(b, vb + kk * MT::K * C::kLd + col, C::kLd);
+          MT::mma(o[n], a, b);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < C::kSlice / MT::K; ++kk) {  // O += P V
+        typename MT::A a;
+        MT::a_from_c(a, &s[kk * MT::K / MT::N], tmp);
+#pragma unroll
+        for (int n = 0; n < kND; ++n) {
+          typename MT::B b;
+          if constexpr (tma)
+            MT::load_b_kn_at(b, vb + C::kv_at(wn * C::kSlice + kk * MT::K + lr, n * MT::N / C::kVec));
+          else
+            MT::load_b_kn(b, vs + kk * MT::K * C::kLd + n * MT::N, C::kLd);
+          MT::mma(o[n], a, b);
+        }
       }
     }
   }
@@ -444,7 +501,8 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
   for (int r = 0; r < MT::kRowSlots; ++r) l[r] = group_sum<MT::kRowLanes>(l[r]);
 
-  // Merge the WN states of each head tile.
+  // Merge the WN states of each head tile: (m, l) each, and each its outputs, or (kSplitD) one output
+  // state whose columns the WN waves hold.
   async_copy_wait();
   __syncthreads();
   const int row0 = wn * C::kRows + wm * MT::M;
@@ -455,10 +513,11 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       l_w[row0 + MT::c_row(i)] = l[MT::row_slot(i)];
     }
   }
+  float* o_w = C::kSplitD ? a_w + wm * MT::M * C::kLdA + wn * C::kOCols : a_w + row0 * C::kLdA;
 #pragma unroll
-  for (int n = 0; n < kND; ++n) MT::store_c(a_w + row0 * C::kLdA + n * MT::N, C::kLdA, o[n]);
+  for (int n = 0; n < kND; ++n) MT::store_c(o_w + n * MT::N, C::kLdA, o[n]);
   __syncthreads();
-  finish<T, D, C::WN, C::kRows, C::kThreads, C::kLdA>(p, m_w, l_w, a_w, work, ml_s);
+  finish<T, D, C::WN, C::kRows, C::kThreads, C::kLdA, C::kOStates>(p, m_w, l_w, a_w, work, ml_s);
   trace_point(6);
 }
 
