@@ -262,8 +262,9 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
 
 // The end of a block: merge kStates softmax states of its nh query heads (m_w, l_w: [kStates][kRows];
 // a_w: [kOStates][kRows][kLd] with outputs in [0, D), 16-byte aligned, in shared memory) and write the
-// output rows, or the unnormalised partials and (m, l) when w.partial. kOStates 1: the states share
-// one running max (equal m, or -inf) and a_w holds their summed outputs. m_w and l_w are overwritten
+// output rows, or the unnormalised partials and (m, l) when w.partial. kOStates 1: every state has
+// the same m (one running max; -inf in all of them when nothing was read) and a_w holds their summed
+// outputs. m_w and l_w are overwritten
 // (per-head weights). In a merged cluster (cluster_merged; ml_s: kClusterFloats<kRows> floats of
 // shared memory) the partial stays in shared memory (a_w's first state, ml_s) for cluster_merge
 // instead.

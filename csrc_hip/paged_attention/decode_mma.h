@@ -80,6 +80,8 @@ struct Cfg {
   // barriers more a tile for a lighter end. H100 (NOTES.md, 2026-11-27): 1 x 256 x 64:1 x 256 10.4 ->
   // 9.8 us; head size 128's small and mid shapes lost up to 3 %, the 32-head blocks at head size 256
   // (two states) 2.3 % at 16 x 2048 x 64:1: hence 4 waves a head tile at head size 256 only.
+  // (On CDNA head size 256 does not fit the LDS: the split compiles there but never runs. The
+  // exchanges are block barriers: with WM > 1 they would couple the head tiles.)
   static constexpr bool kSplitD = !kWg && D >= 256 && WN >= 4;
   static constexpr int kOCols = kSplitD ? D / WN : D;  // output columns a wave holds
   static constexpr int kOStates = kSplitD ? 1 : WN;    // output states the block's end merges
@@ -189,11 +191,12 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       for (int j = 0; j < C::kCopies; ++j) ahead[s][j] = token_offset(p, bt, start + s * C::kTile + copy_row(j));
     }
   }
-  // The merge area (after the loop): the WN states' (m, l) and outputs, over the pipeline; a cluster
-  // merge's per-head states and weights where the query rows were.
+  // The merge area (after the loop): the WN states' (m, l) and their kOStates output states (WN, or
+  // one whose columns the waves hold under kSplitD), over the pipeline; a cluster merge's per-head
+  // states and weights where the query rows were.
   float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
   float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
-  float* a_w = l_w + C::WN * C::kRows;          // [WN][kRows][kLdA]
+  float* a_w = l_w + C::WN * C::kRows;          // [kOStates][kRows][kLdA]
   float* ml_s = reinterpret_cast<float*>(q_s);
   // A skipped block (an empty partition) leaves, unless it is one of a merged cluster: it then runs no
   // tile and joins the merge with an empty state (the same code path, not a second copy of the merge).
