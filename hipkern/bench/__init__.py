@@ -26,3 +26,20 @@ def device_line() -> str:
     tbps = 2 * (1 << 30) / us / 1e6
     return (f"# device {dev}: {props.name}, uuid {getattr(props, 'uuid', 'unknown')}; copy_ of 1 GiB here "
             f"{tbps:.3f} TB/s read + write (the bars' reference: {COPY_BW_TBPS:.1f} TB/s)")
+
+
+def traced_module(family: str, define: str, reader: str, **params):
+    """The bf16 module of `family` with `params`, built with the diagnostic preprocessor `define` under
+    a cache name of its own, and its trace reader `reader` (int reader(void* host, int blocks)) exported:
+    moe_trace's and pa_trace's timelines."""
+    import dataclasses
+
+    import torch
+
+    from hipkern import jit
+    from hipkern.jit import modules
+
+    spec = modules.spec(family, dtype="bfloat16", **params)
+    spec = dataclasses.replace(spec, name=spec.name + "_trace", defines=spec.defines + ((define, 1),),
+                               functions=spec.functions + ((reader, "i32", ("ptr", "i32")),))
+    return jit.load(spec, jit.current_arch(torch.cuda.current_device()))

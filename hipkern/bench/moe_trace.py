@@ -15,26 +15,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 
 import torch
+
+from hipkern.bench import traced_module
 
 POINTS = {"decode": ("start", "routed", "gated items done", "down: last release", "down items done",
                      "grid barrier passed", "end"),
           "grouped": ("gated: start", "gated: input ready", "gated: end", "down: start", "down: input ready",
                       "down: end", "combine: input ready", "combine: end")}
 MAX_BLOCKS = 4096  # the trace table's rows (gemm.h)
-
-
-def traced_module(block_m: int):
-    """The bf16 fused_moe module for block_m, built with HK_MOE_TRACE (its own cache entry)."""
-    from hipkern import jit
-    from hipkern.jit import modules
-
-    spec = modules.spec("fused_moe", dtype="bfloat16", block_m=block_m)
-    spec = dataclasses.replace(spec, name=spec.name + "_trace", defines=spec.defines + (("HK_MOE_TRACE", 1),),
-                               functions=spec.functions + (("hk_fused_moe_trace", "i32", ("ptr", "i32")),))
-    return jit.load(spec, jit.current_arch(torch.cuda.current_device()))
 
 
 def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int, variant: str = "decode",
@@ -77,7 +67,7 @@ def trace(x, w1, w2, topk_weights, topk_ids, block_m: int, variant: str, calls: 
     import hipkern
     from hipkern.ops import _common
 
-    mod = traced_module(block_m)
+    mod = traced_module("fused_moe", "HK_MOE_TRACE", "hk_fused_moe_trace", block_m=block_m)
     with _common.module_override(mod, "fused_moe", torch.cuda.current_device(), dtype="bfloat16",
                                  block_m=block_m):  # the op calls the traced copy
         out = torch.empty_like(x)

@@ -17,24 +17,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 
 import torch
+
+from hipkern.bench import traced_module
 
 POINTS = ("start", "context length known", "first tile in smem", "loop done", "states merged",
           "cluster barrier passed", "end")
 MAX_BLOCKS, NUM_POINTS = 4096, 8  # the trace table (common.h: kTraceBlocks, kTracePoints)
-
-
-def traced_module(head_size: int):
-    """The bf16 paged-attention module for head_size, built with HK_PA_TRACE (its own cache entry)."""
-    from hipkern import jit
-    from hipkern.jit import modules
-
-    spec = modules.spec("paged_attention", dtype="bfloat16", head_size=head_size)
-    spec = dataclasses.replace(spec, name=spec.name + "_trace", defines=spec.defines + (("HK_PA_TRACE", 1),),
-                               functions=spec.functions + (("hk_paged_attention_trace", "i32", ("ptr", "i32")),))
-    return jit.load(spec, jit.current_arch(torch.cuda.current_device()))
 
 
 def run(batch: int, ctx: int, hq: int, hkv: int, d: int, variant: str | None = None, calls: int = 20) -> dict:
@@ -53,7 +43,7 @@ def run(batch: int, ctx: int, hq: int, hkv: int, d: int, variant: str | None = N
     if VARIANTS[chosen.split("{")[0]].kernel == "simt":
         raise SystemExit(f"pa_trace: {chosen} runs the CUDA-core kernel, which records no points (matrix-core "
                          "variants only: v16, v6, v5)")
-    mod = traced_module(d)
+    mod = traced_module("paged_attention", "HK_PA_TRACE", "hk_paged_attention_trace", head_size=d)
     flush = torch.ones(2 * l2_bytes() // 4, dtype=torch.int32, device="cuda")
     buf = (ctypes.c_uint64 * (MAX_BLOCKS * NUM_POINTS))()
     rows = []
