@@ -49,8 +49,9 @@ constexpr int kMaxCluster = 8;  // the portable cluster size
 
 // HK_PA_TRACE (a diagnostic build, NVIDIA only; hipkern/bench/pa_trace.py): thread 0 of each block
 // records %globaltimer at the points of the matrix-core kernel into hk_pa_trace[block][point] (the
-// block numbered x fastest, then y, then z); hk_paged_attention_trace() reads the table and clears it. Points: 0 start, 1 context length known, 2 first tile in shared memory, 3 loop done,
-// 4 the waves' states merged (output or partial written, or the cluster merge's state ready),
+// block numbered x fastest, then y, then z); hk_paged_attention_trace() reads the table and clears
+// it. Points: 0 start, 1 context length known, 2 first tile in shared memory, 3 loop done, 4 the
+// waves' states merged (output or partial written, or the cluster merge's state ready),
 // 5 cluster barrier passed (cluster merge only), 6 end.
 constexpr int kTraceBlocks = 4096, kTracePoints = 8;
 #if defined(HK_PA_TRACE) && defined(HK_PLATFORM_CUDA)
@@ -58,9 +59,7 @@ __device__ unsigned long long hk_pa_trace[kTraceBlocks][kTracePoints];
 HK_DEVICE void trace_point(int i) {
   const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if (threadIdx.x != 0 || b >= (unsigned)kTraceBlocks) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  hk_pa_trace[b][i] = t;
+  hk_pa_trace[b][i] = globaltimer();
 }
 #else
 HK_DEVICE void trace_point(int) {}

@@ -124,7 +124,6 @@ HK_DEVICE float fast_exp2(float x) {
 #endif
 }
 
-// Orders memory among the lanes of one wave (shared-memory handoff inside a wave).
 // A short pause in a spin-wait loop, so that waiting blocks leave the memory system to the rest.
 HK_DEVICE void spin_pause() {
 #if defined(HK_PLATFORM_HIP)
@@ -153,6 +152,7 @@ HK_DEVICE float4 load_coherent4(const float* p) {
 #endif
 }
 
+// Orders memory among the lanes of one wave (shared-memory handoff inside a wave).
 HK_DEVICE void wave_sync() {
 #if defined(HK_PLATFORM_HIP)
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
@@ -251,6 +251,18 @@ HK_DEVICE uint4 load_once16(const void* p) {
   return v;
 #else
   return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
+// The device's nanosecond clock, comparable across blocks (%globaltimer; NVIDIA only, 0 elsewhere):
+// the timestamps of the timeline diagnostics (fused_moe's HK_MOE_TRACE, paged attention's HK_PA_TRACE).
+HK_DEVICE unsigned long long globaltimer() {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__)
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
 #endif
 }
 
