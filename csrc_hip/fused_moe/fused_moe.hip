@@ -56,10 +56,12 @@ constexpr int kShortK = 256;
 // (H100, NOTES.md 2026-11-26: -12..15 % on the skewed 128-token cases). block_m 128 runs 5: its
 // epilogue takes the two warpgroups' rows in two passes (Passes), so its partials tile is half as
 // large and a fifth stage fits (NOTES.md 2026-11-26 (2): -3..6 % on its 128-token cases, Mixtral 8x7B
-// 512 tokens -4 %).
-template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0, int Passes = 1>
-using Matrix =
-    std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag, Passes>, MmaMath<U, WR, 1, B, BK, S>>;
+// 512 tokens -4 %). block_m 128 also counts its copies on mbarriers (CopyBars, math.h; H100, NOTES.md
+// 2026-11-27 (3): -0.3..2.4 % on every 128-token case measured); at block_m 64 that was -3 % skewed but
+// +3 % on Mixtral 8x7B 512 tokens, so block_m 64 keeps the stage barrier.
+template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0, int Passes = 1, bool CopyBars = false>
+using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag, Passes, CopyBars>,
+                                  MmaMath<U, WR, 1, B, BK, S>>;
 template <typename U, int B> struct Tiles;
 template <typename U> struct Tiles<U, 8> {
   typedef MmaMath<U, 1, 4, 8, 512, 4> Gate;
@@ -76,7 +78,7 @@ template <typename U> struct Tiles<U, 32> {
 };
 template <typename U> struct Tiles<U, 64> { typedef Matrix<U, 2, 64, 128, 3, kNv ? 8 : 4, 1> Gate, Down, DownShort; };
 template <typename U> struct Tiles<U, 128> {
-  typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4, 1, 2> Gate, Down, DownShort;
+  typedef Matrix<U, 2, 128, 64, 4, kNv ? 8 : 4, 1, 2, true> Gate, Down, DownShort;
 };
 constexpr int kSimtWK = kNv ? 4 : 1, kSimtRPL = kNv ? 2 : 1;
 template <> struct Tiles<float, 8> {
@@ -110,7 +112,8 @@ template <typename M> struct InStep { typedef M type; };
 template <int WG, int B, int BK, int S> struct InStep<SplitMath<WG, B, BK, S, true>> {
   typedef SplitMath<WG, B, BK, S, false> type;
 };
-template <typename U, int WG, int B, int BK, int S, int Lag, int P> struct InStep<WgmmaMath<U, WG, B, BK, S, Lag, P>> {
+template <typename U, int WG, int B, int BK, int S, int Lag, int P, bool CB>
+struct InStep<WgmmaMath<U, WG, B, BK, S, Lag, P, CB>> {
   typedef WgmmaMath<U, WG, B, BK, S - Lag, 0, P> type;
 };
 typedef typename InStep<M1>::type D1;

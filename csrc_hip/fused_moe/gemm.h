@@ -36,9 +36,7 @@ namespace fused_moe {
 __device__ unsigned long long hk_moe_trace[4096][8];
 HK_DEVICE void trace_point(int i) {
   if (threadIdx.x != 0 || blockIdx.x >= 4096) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  hk_moe_trace[blockIdx.x][i] = t;
+  hk_moe_trace[blockIdx.x][i] = globaltimer();
 }
 #else
 HK_DEVICE void trace_point(int) {}
@@ -137,9 +135,15 @@ template <typename T, typename M, int BM, bool Gated>
 struct GemmCfg {
   static constexpr int kThreads = M::kWaves * kWaveSize;
   static constexpr int kStages = !kAsyncCopy ? 1 : M::kStages;
-  // Stages the loader runs ahead: all but the one being computed and those whose products step()
-  // leaves in flight (M::kLag).
-  static constexpr int kAhead = kStages > 1 ? kStages - 1 - M::kLag : 0;
+  // M::kCopyBars (lag-1 wgmma): each stage's copies are counted on an mbarrier of their own (every
+  // thread's arrival once its copies of the stage have landed), so a stage starts as soon as its bytes
+  // are in, with no barrier; the stage's one barrier comes after its products are issued and the
+  // previous stage's are done, and the loader then refills that previous stage's buffer: a stage
+  // further ahead than with the barrier at the top, and no copy issue waits for other copies to land.
+  static constexpr bool kFullBars = kWgmma && kStages > 1 && M::kCopyBars;
+  // Stages the loader runs ahead: all but the one being computed and (barrier at the top) those whose
+  // products step() leaves in flight.
+  static constexpr int kAhead = kStages == 1 ? 0 : kFullBars ? kStages - 1 : kStages - 1 - M::kLag;
   static_assert(kStages == 1 ? M::kLag == 0 : kAhead >= 1, "a stage in flight ahead of the math");
   static constexpr int kVec = 16 / (int)sizeof(T), kChunks = M::kBK / kVec;  // 16-byte chunks per row
   static constexpr int kWCopies = (M::kRows * kChunks + kThreads - 1) / kThreads;
@@ -152,8 +156,8 @@ struct GemmCfg {
   static constexpr bool kTmaW = kTma && !Gated && M::kWeightBox && kStages > 1;
   static constexpr int kWBytes = M::kRows * M::kLd * (int)sizeof(T);  // one stage's weight tile
   // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage | (down)
-  // routing weight of each token row, per stage | flag | (kTmaW) an mbarrier per stage | the math's
-  // scratch
+  // routing weight of each token row, per stage | flag | (kTmaW) an mbarrier per stage for the weight
+  // boxes | (kFullBars) an mbarrier per stage for the copies | the math's scratch
   static constexpr int kW = kStages * M::kRows * M::kLd * (int)sizeof(T);
   static constexpr int kX = kStages * M::kToks * M::kLd * (int)sizeof(T);
   // The epilogue's passes over the item's rows (M::kEpiPasses), and the rows the partials tile holds.
@@ -168,7 +172,8 @@ struct GemmCfg {
   static constexpr int kPairsAt = kAlias ? kW + kX : kW + kX + kRed;
   static constexpr int kTopkAt = kPairsAt + kStages * M::kToks * 4;
   static constexpr int kFlagAt = kTopkAt + (Gated ? 0 : kStages * M::kToks * 4);
-  static constexpr int kBarAt = kFlagAt + 16, kBarEnd = kBarAt + (kTmaW ? 8 * kStages : 0);
+  static constexpr int kBarAt = kFlagAt + 16, kFullAt = kBarAt + (kTmaW ? 8 * kStages : 0);
+  static constexpr int kBarEnd = kFullAt + (kFullBars ? 8 * kStages : 0);
   static constexpr int kScratchAt = round_up(kBarEnd, 1024);  // M's own (1024-byte aligned)
   static constexpr int kRedAt = kRedInScratch ? kScratchAt : kAlias ? 0 : kW + kX;
   // Split parts summed in pairs of clustered blocks (GemmParams::pair_cluster): each writes half of a
@@ -176,6 +181,7 @@ struct GemmCfg {
   static constexpr bool kPairSum = kClusters && (kCols / kPasses) % 8 == 0;
   static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kBarEnd;
   static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
+  static_assert(!kFullBars || !kAlias, "kFullBars: the loader fills stages while the epilogue runs");
   static_assert(M::kToks >= BM, "token rows");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
@@ -312,10 +318,14 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   float* topk_s = reinterpret_cast<float*>(smem_raw + C::kTopkAt);  // down: [S][kToks]
   int* last_s = reinterpret_cast<int*>(smem_raw + C::kFlagAt);     // split: this block's part was the last
   uint64_t* bar_s = reinterpret_cast<uint64_t*>(smem_raw + C::kBarAt);  // kTmaW: [S] weight stages landed
+  uint64_t* full_s = reinterpret_cast<uint64_t*>(smem_raw + C::kFullAt);  // kFullBars: [S] copies landed
   const bool tma = C::kTmaW && p.w_tma;
-  if (tma) {
+  if (tma || C::kFullBars) {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < S; ++s) mbar_init(bar_s + s, 1);
+      for (int s = 0; s < S; ++s) {
+        if (tma) mbar_init(bar_s + s, 1);
+        if (C::kFullBars) mbar_init(full_s + s, KT);
+      }
       mbar_init_fence();
     }
     __syncthreads();
@@ -457,21 +467,35 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     ld = Cursor(pl);
     hooks.wait_input();
   }
+  // A stage's copies are issued: kFullBars counts them on the stage's mbarrier, else they form a group.
+  auto issued = [&](int g) {
+    if constexpr (C::kFullBars)
+      mbar_arrive_copies(full_s + g % S);
+    else
+      async_copy_commit();
+  };
 #pragma unroll 1
   for (int s = 0; s < A; ++s) {
     if (s < total) load(s, !kEarlyWeights, true);
-    async_copy_commit();
+    if (!C::kFullBars || s < total) issued(s);
   }
   typename M::Acc acc;
   M::zero(acc);  // and again after each item's partials are stored
   uint32_t phase = 0;  // tma: bit s, the parity of slot s's next weight box
-  // Stage g's top: its copies (and weight box) have landed, every wave is done with the buffer the
-  // loader refills next, which then requests stage g + A. Returns g's slot.
+  uint32_t full_phase = 0;  // kFullBars: bit s, the parity of slot s's next stage
+  // Stage g's top: its copies (and weight box) have landed; without kFullBars, every wave is also done
+  // with the buffer the loader refills next, which then requests stage g + A. Returns g's slot.
   auto begin_stage = [&](int g, bool computes) {
     const int slot = g % S;
     if (tma && computes) {  // every stage that computes had its weight box issued
       mbar_wait(bar_s + slot, phase >> slot & 1);
       phase ^= 1u << slot;
+    }
+    if constexpr (C::kFullBars) {
+      mbar_wait(full_s + slot, full_phase >> slot & 1);
+      full_phase ^= 1u << slot;
+      fence_async_shared();  // the tensor cores read the stage through the async proxy
+      return slot;
     }
     if constexpr (S == 1) {
       __syncthreads();  // every wave is done with the previous stage
@@ -483,9 +507,20 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     __syncthreads();  // stage g is in shared memory; stage g - 1 - kLag's buffer is free
     if constexpr (S > 1) {
       if (g + A < total) load(g + A, true, true);
-      async_copy_commit();
+      issued(g + A);
     }
     return slot;
+  };
+  // kFullBars, after stage g's step: every wave is done with stage g - 1 (step() waited for its own
+  // products of it), whose buffer the loader refills with stage g + A.
+  auto end_stage = [&](int g) {
+    if constexpr (C::kFullBars) {
+      __syncthreads();
+      if (g + A < total) {
+        load(g + A, true, true);
+        issued(g + A);
+      }
+    }
   };
   // An item (one K part) is kss stages, of which those past K (the end of a short last part) only
   // keep the stream regular. The math's stages form a loop of their own, drained after it: the
@@ -498,9 +533,13 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       slot = begin_stage(g, true);
       M::step(acc, w_s + slot * M::kRows * M::kLd, x_s + slot * M::kToks * M::kLd, pair_s + slot * M::kToks,
               p.num_pairs, smem_raw + C::kScratchAt);
+      end_stage(g);
     }
     M::drain(acc);
-    for (int kp = computes; kp < pl.kss; ++kp, ++g) slot = begin_stage(g, false);
+    for (int kp = computes; kp < pl.kss; ++kp, ++g) {
+      slot = begin_stage(g, false);
+      end_stage(g);
+    }
     const int* pairs = pair_s + slot * M::kToks;  // the item's last stage's
     const float* topk = topk_s + slot * M::kToks;
 

@@ -42,6 +42,9 @@
 //                                          where the plan does not split K (gemm.h): MmaMath's
 //                                          blocks of <= 16 token rows only (wgmma's and fp32's
 //                                          measured slower with it, 2026-11-25)
+//   kCopyBars                              (kLag 1 only) the loader counts each stage's copies on an
+//                                          mbarrier and refills a stage's buffer once every wave's
+//                                          products of it are done (gemm.h, GemmCfg::kFullBars)
 //   kStepPairs                             step() reads `pairs` (MmaMath, SimtMath: to skip padding
 //                                          token tiles); where it does not, the loader stages the
 //                                          pairs (and the down GEMM's routing weights) with an item's
@@ -71,7 +74,7 @@ struct MmaMath {
   static_assert(kSlice % MT::K == 0, "whole k16 steps per wave");
   struct Acc { float c[kNT][MT::kC]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false, kPrefetch = BM <= 16;
-  static constexpr bool kStepPairs = true;
+  static constexpr bool kStepPairs = true, kCopyBars = false;
   static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * (16 / (int)sizeof(T)); }  // padded rows
   static HK_DEVICE void drain(Acc&) {}
@@ -138,15 +141,17 @@ struct MmaMath {
 // stage's), so the tensor cores work through the loop's barrier and the next stage's copies; the
 // pipeline then keeps one stage fewer in flight for the copies (gemm.h), hence a deeper one.
 // Passes > 1: the epilogue takes the warpgroups' rows in that many passes (a smaller partials tile,
-// room for a stage more).
-template <typename T, int WG, int BM, int BK, int Stages, int Lag = 0, int Passes = 1>
+// room for a stage more). CopyBars: kCopyBars.
+template <typename T, int WG, int BM, int BK, int Stages, int Lag = 0, int Passes = 1, bool CopyBars = false>
 struct WgmmaMath : MmaMath<T, 4 * WG, 1, BM, BK, Stages> {
   typedef MmaMath<T, 4 * WG, 1, BM, BK, Stages> Base;
   using typename Base::Acc;
   typedef Sw128<T, BK> L;
   static constexpr int kLd = BK;  // a stage of R rows spans R * kLd elements (1024-byte atoms)
   static constexpr int kLag = Lag, kEpiPasses = Passes;
+  static constexpr bool kCopyBars = CopyBars;
   static_assert(Lag == 0 || Lag == 1, "wgmma groups left in flight");
+  static_assert(!CopyBars || Lag == 1, "copy barriers refill the buffer of the stage before");
   static_assert(WG % Passes == 0, "whole warpgroups a pass");
   static constexpr bool kAsyncReads = true;  // the tensor cores read the stages
   static constexpr bool kWeightBox = BK * sizeof(T) == 128;  // one atom a row: a stage's rows are one box
@@ -187,7 +192,7 @@ struct SimtMath {
   static_assert(kSlice % 16 == 0, "whole 16-k steps per wave");
   struct Acc { float c[RPL][kToks]; };
   static constexpr bool kAsyncReads = false, kPreSplit = false, kWeightBox = false, kPrefetch = false;
-  static constexpr bool kStepPairs = true;
+  static constexpr bool kStepPairs = true, kCopyBars = false;
   static constexpr int kScratch = 0, kLag = 0, kEpiPasses = 1;
   static HK_DEVICE int at(int r, int c) { return r * kLd + c * 4; }
   static HK_DEVICE void drain(Acc&) {}

@@ -13,6 +13,9 @@
 //                               block barrier
 //   mbar_expect(bar, bytes)     this thread's arrival, announcing `bytes` of copies to come
 //   mbar_wait(bar, parity)      until the barrier's phase of that parity has completed
+//   mbar_arrive_copies(bar)     this thread's arrival, made when all its earlier asynchronous copies
+//                               (async_copy16 / async_copy4, hipkern/platform.h) have landed; the
+//                               barrier's count includes it (noinc)
 //   tma_load_3d(dst, map, c0, c1, c2, bar)     the box at coordinates (c0 innermost) into dst
 //                               (1024-byte aligned), its bytes counted on bar; every box element
 //                               outside the array (negative coordinates too) becomes zero
@@ -69,6 +72,10 @@ HK_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
   (void)bar, (void)parity;
+}
+HK_DEVICE void mbar_arrive_copies(uint64_t* bar) {
+  HK_TMA_ASM("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+  (void)bar;
 }
 HK_DEVICE void tma_load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
   HK_TMA_ASM(
