@@ -2,7 +2,8 @@
 resolves to the committed row, which is the heuristic default within the tuner's margin of the fastest
 candidate, else the fastest; or, where the op has a second measure (fused_moe's skewed_us), a
 candidate within the tuner's window of the fastest that beats that choice there by more than the
-margin (from the tuner's candidate log next to it)."""
+margin and by more than the tuner's exchange rate times its loss on the first (from the tuner's
+candidate log next to it)."""
 import csv
 from collections import defaultdict
 from pathlib import Path
@@ -81,8 +82,8 @@ def test_each_row_is_the_default_within_the_margin_or_the_best_beyond_it_or_bett
             assert is_first or (not default_near and float(r["us"]) == best), r
             continue
         second = schema.measures[0]
-        alt = min(float(c[second]) for c in window)
-        if is_first:  # nothing in the window beats it on the second measure by more than the margin
-            assert float(r[second]) <= alt * margin, r
-        else:  # the fastest on the second measure in the window, beyond the margin
-            assert float(r[second]) == alt and alt * margin < float(first[second]), r
+        alt = min(window, key=lambda c: float(c[second]))
+        if is_first:  # the window's fastest on the second measure does not pay for its loss on us
+            assert not core.second_trade(r, alt, second), r
+        else:  # the window's fastest on the second measure, worth its loss on us
+            assert float(r[second]) == float(alt[second]) and core.second_trade(first, r, second), r

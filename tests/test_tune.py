@@ -231,6 +231,10 @@ def test_the_first_measure_decides_among_the_candidates_within_the_window():
     assert pick(("a", 110, 10), ("c", 100, 60), ("d", 104, 30)) == ["d"]  # the default out; d beats c on alt
     assert pick(("a", 100, 50), ("b", 104, "")) == ["a"]  # a candidate in the window not timed on alt: us decides
     assert pick(("a", 110, 50), ("b", 100, ""), ("c", 101, 1)) == ["a", "b", "c"]  # then merge_best's lowest us
+    x = core.SECOND_EXCHANGE  # b loses 3 % on us: it must gain more than 3x % on alt
+    assert pick(("a", 100, 50), ("b", 103, 50 / (1 + 0.03 * x * 0.9))) == ["a"]
+    assert pick(("a", 100, 50), ("b", 103, 50 / (1 + 0.03 * x * 1.1))) == ["b"]
+    assert pick(("a", 100, 50), ("b", 97, 50 / (1 + m * 1.5))) == ["b"]  # faster on both, beyond the margin
 
 
 class MeasuredBench(FakeBench):
