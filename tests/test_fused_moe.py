@@ -341,11 +341,12 @@ def _tma_case_outputs():
 
 
 @pytest.mark.gpu
-def test_down_weights_by_tensor_map_match_the_thread_copies(tmp_path):
-    """On sm_90 the down GEMM's 64-column weight stages (the short-reduction tile at block_m 16 / 32, block_m
-    128) are tensor-map boxes copied by one thread (gemm.h, hipkern/tma.h), zeros outside w2 standing for
-    the threads' zero-filled copies: rows past D, columns past I, remote experts. Bitwise the same outputs
-    as the threads' copies (HIPKERN_NO_TMA=1, a process of its own), and right against the reference."""
+def test_weights_by_tensor_map_match_the_thread_copies(tmp_path):
+    """On sm_90 the 64-column weight stages (the down GEMM's short-reduction tile at block_m 16 / 32, both
+    GEMMs at block_m 128: the gated one's 8 gate and 8 up rows per 16-row tile through a rank-5 map) are
+    tensor-map boxes copied by one thread (gemm.h, hipkern/tma.h), zeros outside w1 / w2 standing for the
+    threads' zero-filled copies: rows past I or D, columns past D or I, remote experts. Bitwise the same
+    outputs as the threads' copies (HIPKERN_NO_TMA=1, a process of its own), and right against the reference."""
     code = ("import sys, torch; sys.path.insert(0, %r); import test_fused_moe as t; "
             "torch.save(t._tma_case_outputs(), %r)" % (str(pathlib.Path(__file__).parent), str(tmp_path / "copies.pt")))
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HIPKERN_NO_TMA="1"), capture_output=True,

@@ -67,10 +67,12 @@ struct GemmParams {
   float* partials;
   int* counters;
   int max_split_items;
-  // The down GEMM's weights as a tensor map (hipkern/tma.h) of w [num_experts][N][K], boxes of
-  // M::kRows rows x 64 columns, where GemmCfg::kTmaW and w_tma (set by launch_gemm): each stage's
-  // weight tile is then one copy by thread 0 (rows past N, columns past K and invalid experts come
-  // out as zeros), completing on the stage's mbarrier.
+  // The weights as a tensor map (hipkern/tma.h), where GemmCfg::kTmaW and w_tma (set by launch_gemm):
+  // each stage's weight tile is then one box copied by thread 0 (rows past N, columns past K and
+  // invalid experts come out as zeros), completing on the stage's mbarrier. Down: w [num_experts][N][K]
+  // in boxes of M::kRows rows x 64 columns. Gated: w [num_experts][2N][K] seen as [num_experts][N / 8
+  // groups][K] of [2 halves (gate, up)][8 rows], in boxes of kCols / 8 groups x 2 x 8 rows x 64 columns:
+  // a box lands as the tile's 16-row tiles of 8 gate rows, then the 8 up rows of the same columns.
   int w_tma;
   TensorMap w_map;
   // Launched in clusters of 2 (launch_gemm only, where GemmCfg::kPairSum): a plan that splits K in 2
@@ -153,7 +155,7 @@ struct GemmCfg {
   static_assert(kThreads % kChunks == 0, "every thread keeps its chunk column");
   static constexpr int kCols = Gated ? M::kRows / 2 : M::kRows;  // output columns per item
   // The weight stages by tensor map (GemmParams::w_map) where the build and the tile allow it.
-  static constexpr bool kTmaW = kTma && !Gated && M::kWeightBox && kStages > 1;
+  static constexpr bool kTmaW = kTma && M::kWeightBox && kStages > 1;
   static constexpr int kWBytes = M::kRows * M::kLd * (int)sizeof(T);  // one stage's weight tile
   // shared memory (bytes): weights | tokens | wave partials | pair of each token row, per stage | (down)
   // routing weight of each token row, per stage | flag | (kTmaW) an mbarrier per stage for the weight
@@ -426,7 +428,10 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     if (tma) {  // the weight tile as one box; the threads copy the token rows
       if (wgt && threadIdx.x == 0) {
         mbar_expect(bar_s + slot, C::kWBytes);
-        tma_load_3d(ws, &p.w_map, k0, cur.nt * C::kCols, cur.expert, bar_s + slot);
+        if constexpr (Gated)
+          tma_load_5d(ws, &p.w_map, k0, 0, 0, cur.nt * (C::kCols / 8), cur.expert, bar_s + slot);
+        else
+          tma_load_3d(ws, &p.w_map, k0, cur.nt * C::kCols, cur.expert, bar_s + slot);
       }
       wgt = false;
     }
@@ -759,12 +764,20 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   GemmParams q = p;
   q.max_split_items = split_items(grid);
   q.w_tma = 0;
-  if constexpr (C::kTmaW) {  // w [num_experts][N][K] in boxes of kRows rows x 64 columns
+  if constexpr (C::kTmaW) {  // GemmParams::w_map's boxes
     static const bool off = std::getenv("HIPKERN_NO_TMA") != nullptr;  // for comparisons only
-    if (!off) {
+    const uint64_t e = (uint64_t)p.w_stride_e * sizeof(T), k = (uint64_t)p.K * sizeof(T);
+    const uint32_t box_k = 128 / sizeof(T);
+    if (Gated && !off && p.N % 8 == 0) {  // K, 8 rows, gate / up, N / 8 groups, experts
+      const uint64_t dims[5] = {(uint64_t)p.K, 8, 2, (uint64_t)p.N / 8, (uint64_t)p.num_experts};
+      const uint64_t strides[4] = {k, (uint64_t)p.N * k, 8 * k, e};
+      const uint32_t box[5] = {box_k, 8, 2, (uint32_t)C::kCols / 8, 1};
+      HK_TRY(encode_tensor_map(&q.w_map, p.w, (int)sizeof(T), 5, dims, strides, box));
+      q.w_tma = 1;
+    } else if (!Gated && !off) {  // K, N rows, experts
       const uint64_t dims[3] = {(uint64_t)p.K, (uint64_t)p.N, (uint64_t)p.num_experts};
-      const uint64_t strides[2] = {(uint64_t)p.K * sizeof(T), (uint64_t)p.w_stride_e * sizeof(T)};
-      const uint32_t box[3] = {(uint32_t)(128 / sizeof(T)), (uint32_t)M::kRows, 1};
+      const uint64_t strides[2] = {k, e};
+      const uint32_t box[3] = {box_k, (uint32_t)M::kRows, 1};
       HK_TRY(encode_tensor_map(&q.w_map, p.w, (int)sizeof(T), 3, dims, strides, box));
       q.w_tma = 1;
     }
