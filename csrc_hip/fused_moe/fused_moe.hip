@@ -56,11 +56,11 @@ constexpr int kShortK = 256;
 // (H100, NOTES.md 2026-11-26: -12..15 % on the skewed 128-token cases). block_m 128 runs 5: its
 // epilogue takes the two warpgroups' rows in two passes (Passes), so its partials tile is half as
 // large and a fifth stage fits (NOTES.md 2026-11-26 (2): -3..6 % on its 128-token cases, Mixtral 8x7B
-// 512 tokens -4 %). block_m 128 also counts its copies on mbarriers (CopyBars, math.h; H100, NOTES.md
-// 2026-11-27 (3): -0.3..2.4 % on every 128-token case measured); at block_m 64 that was -3 % skewed but
-// +3 % on Mixtral 8x7B 512 tokens, so block_m 64 keeps the stage barrier. block_m 128's k-stages of 64
-// (one 128-byte atom a row) also let both GEMMs copy a stage's weights as one tensor-map box (gemm.h;
-// the gated one's: -1.5 % on the uniform 128-token cases).
+// 512 tokens -4 %). block_m 128 also counts its copies on mbarriers (CopyBars, math.h; H100,
+// NOTES.md 2026-11-27 (3): 0.1-2.2 % faster on every 128-token case measured); at block_m 64 that
+// was 3 % faster skewed but 1-4 % slower on Mixtral 8x7B 512 tokens, so block_m 64 keeps the stage
+// barrier. block_m 128's k-stages of 64 (one 128-byte atom a row) also let both GEMMs copy a stage's
+// weights as one tensor-map box (gemm.h; the gated one's: -1.5 % on the uniform 128-token cases).
 template <typename U, int WG, int B, int BK, int S, int WR, int Lag = 0, int Passes = 1, bool CopyBars = false>
 using Matrix = std::conditional_t<hk::kWgmma, WgmmaMath<U, WG, B, BK, S + Lag, Lag, Passes, CopyBars>,
                                   MmaMath<U, WR, 1, B, BK, S>>;
