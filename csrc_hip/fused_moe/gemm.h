@@ -13,10 +13,12 @@
 //
 // Pipeline. A block's items and their kBK-wide reduction stages form one stream of stages, loaded
 // kStages deep with 16-byte asynchronous copies (and a 4-byte one per token row of split rows;
-// synchronous, one stage, on CDNA): the next item's weights are in flight while this item finishes,
-// so small items (the down GEMM at I = 256) keep HBM busy. Weight rows past the end, columns past K
-// and invalid experts are zero-filled and never read; padding token rows are not loaded at all
-// (their columns of the product are never stored). After an item's last stage, the k-groups'
+// synchronous, one stage, on CDNA; on sm_90a 16-bit weight stages of 64 columns are one tensor-map
+// box, GemmCfg::kTmaW, and block_m 128 counts its copies on an mbarrier a stage, kFullBars): the next
+// item's weights are in flight while this item finishes, so small items (the down GEMM at I = 256)
+// keep HBM busy. Weight rows past the end, columns past K and invalid experts are zero-filled and
+// never read; padding token rows are not loaded at all (their columns of the product are never
+// stored). After an item's last stage, the k-groups'
 // partial tiles meet in shared memory (summed in a fixed order: deterministic) and the epilogue
 // writes the item's outputs.
 #pragma once
