@@ -82,8 +82,8 @@ def test_each_row_is_the_default_within_the_margin_or_the_best_beyond_it_or_bett
             assert is_first or (not default_near and float(r["us"]) == best), r
             continue
         second = schema.measures[0]
-        alt = min(window, key=lambda c: float(c[second]))
-        if is_first:  # the window's fastest on the second measure does not pay for its loss on us
-            assert not core.second_trade(r, alt, second), r
-        else:  # the window's fastest on the second measure, worth its loss on us
-            assert float(r[second]) == float(alt[second]) and core.second_trade(first, r, second), r
+        trades = [c for c in window if core.second_trade(first, c, second)]  # worth their loss on us
+        if is_first:
+            assert not trades, r
+        else:  # the fastest of them on the second measure
+            assert core.second_trade(first, r, second) and float(r[second]) == min(float(c[second]) for c in trades), r

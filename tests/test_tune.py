@@ -234,7 +234,9 @@ def test_the_first_measure_decides_among_the_candidates_within_the_window():
     x = core.SECOND_EXCHANGE  # b loses 3 % on us: it must gain more than 3x % on alt
     assert pick(("a", 100, 50), ("b", 103, 50 / (1 + 0.03 * x * 0.9))) == ["a"]
     assert pick(("a", 100, 50), ("b", 103, 50 / (1 + 0.03 * x * 1.1))) == ["b"]
-    assert pick(("a", 100, 50), ("b", 97, 50 / (1 + m * 1.5))) == ["b"]  # faster on both, beyond the margin
+    assert pick(("a", 100, 50), ("b", 99, 50 / (1 + m * 1.5))) == ["b"]  # a gain on both (b within the margin)
+    # the window's fastest on alt does not pay for its loss, a nearer one does: the nearer one
+    assert pick(("a", 100, 50), ("b", 103, 50 / 1.05), ("c", 100.5, 50 / (1 + 2 * m))) == ["c"]
 
 
 class MeasuredBench(FakeBench):

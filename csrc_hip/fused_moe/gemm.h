@@ -185,7 +185,8 @@ struct GemmCfg {
   static constexpr bool kPairSum = kClusters && (kCols / kPasses) % 8 == 0;
   static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kBarEnd;
   static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
-  static_assert(!kFullBars || !kAlias, "kFullBars: the loader fills stages while the epilogue runs");
+  static_assert(!kFullBars || kRedInScratch || kRedAt >= kW + kX,
+                "kFullBars: the loader fills the stages while the epilogue uses red");
   static_assert(M::kToks >= BM, "token rows");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");

@@ -27,7 +27,8 @@
 //   at(row, chunk)                         where 16-byte chunk `chunk` of a stage row lies (elements
 //                                          from the stage's start)
 //   kAsyncReads                            step() reads the stage through the async proxy (wgmma):
-//                                          the copies are fenced for it before the stage's barrier
+//                                          the copies are fenced for it (before the stage's barrier,
+//                                          or after its mbarrier wait: kCopyBars)
 //   kScratch                               bytes of shared memory step() needs beside the stages
 //   kLag                                   stages whose products step() may leave in flight when it
 //                                          returns (wgmma groups): their buffers stay in use until

@@ -285,9 +285,9 @@ def prefer_default(schema, rows, default_of) -> list:
     """`rows` (one key's latest measurements) reduced to the default's row when that is within
     DEFAULT_MARGIN of the fastest; default_of(row) names the key's default candidate. Then, where the
     schema has measures and every candidate within SECOND_WINDOW of the fastest was timed on the first
-    one (fused_moe: skewed routing), the one of them fastest there replaces that choice (the default,
-    else the fastest) when it beats the choice there by more than DEFAULT_MARGIN and by more than
-    SECOND_EXCHANGE times what it loses on us (second_trade)."""
+    one (fused_moe: skewed routing), the fastest there of those that beat that choice (the default,
+    else the fastest) there by more than DEFAULT_MARGIN and by more than SECOND_EXCHANGE times what
+    they lose on us (second_trade) replaces it."""
     ok = [r for r in rows if r.get("status", "ok") in ("ok", "", None) and r["variant"] in schema.variants]
     if not ok:
         return rows
@@ -300,8 +300,8 @@ def prefer_default(schema, rows, default_of) -> list:
     if second is None or any(r.get(second) in ("", None) for r in window):
         return default or rows
     base = default[0] if default else min(near, key=lambda r: float(r["us"]))
-    alt = min(window, key=lambda r: float(r[second]))
-    return [alt if second_trade(base, alt, second) else base]
+    trades = [r for r in window if second_trade(base, r, second)]
+    return [min(trades, key=lambda r: float(r[second])) if trades else base]
 
 
 def second_trade(base, alt, second) -> bool:

@@ -24,8 +24,10 @@
 //   wgmma_desc_add(desc, bytes)   the same operand `bytes` further on (a k step: k16(s) elements)
 //   wgmma_fence() / wgmma_commit() / wgmma_wait<N>()   around a batch of mma (the accumulators are
 //                               not touched between the fence and the wait)
-//   fence_async_shared()        makes this thread's shared-memory writes (stores, cp.async)
-//                               visible to wgmma's reads (the async proxy); then a barrier
+//   fence_async_shared()        orders the shared-memory writes this thread has made or observed
+//                               (stores, cp.async) before wgmma's reads (the async proxy): by the
+//                               writer before a barrier, or by the reader after it waited for them
+//                               (fused_moe's per-stage mbarriers)
 //
 // d's layout is mma.sync's C layout per warp (mma.h, NVIDIA): warp w of the warpgroup holds rows 16w
 // + lane / 4 (+ 8) and, per 8-column tile j, elements d[4j .. 4j + 3] at columns 8j + 2 (lane % 4) (+ 1).
