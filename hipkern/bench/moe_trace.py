@@ -40,9 +40,10 @@ def run(tokens: int, dim: int, inter: int, experts: int, topk: int, block_m: int
           f"{variant}, T={tokens} D={dim} I={inter} E={experts} k={topk} block_m={block_m}")
 
 
-def run_case(num: int, calls: int = 20) -> None:
+def run_case(num: int, calls: int = 20, block_m: int | None = None) -> None:
     """Trace benchmark case `num` (bf16) with the benchmark's weights and first routing, as the database
-    runs it; for the grouped chain also each GEMM phase's rate over its activated weight bytes."""
+    runs it (or at `block_m`, the variant then the op's choice for it); for the grouped chain also each
+    GEMM phase's rate over its activated weight bytes."""
     from hipkern.bench import moe as bench
 
     cases = {case.num: case for case in bench.all_cases()}
@@ -51,7 +52,7 @@ def run_case(num: int, calls: int = 20) -> None:
     c = cases[num]
     if c.dtype != torch.bfloat16:
         raise SystemExit(f"--case {num}: the traced module is bf16 only; case {num} is {bench.DTYPE_NAMES[c.dtype]}")
-    variant, block_m = bench.launch_config(c, None).split("/")
+    variant, block_m = bench.launch_config(c, block_m).split("/")
     w1, w2 = bench.WeightCache().get(c)
     w, ids = bench.routings(c)[0][0]
     experts = torch.unique(ids).numel()
@@ -104,18 +105,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", action="append", help="T,D,I,E,k (repeatable); default: 1 and 4 tokens of "
                     "7168/256 E256 top-8, 1 token of 4096/14336 E8 top-2")
-    ap.add_argument("--block-m", type=int, default=8)
+    ap.add_argument("--block-m", type=int, help="block_m of --shape (default 8), and of --case in place of the "
+                    "database's choice")
     ap.add_argument("--variant", choices=sorted(POINTS), default="decode")
     ap.add_argument("--case", type=int, action="append", help="a bf16 case of `python -m hipkern.bench moe` "
                     "(repeatable), with its weights, first routing and the database's variant and block_m")
     a = ap.parse_args(argv)
     for num in a.case or []:
-        run_case(num)
+        run_case(num, block_m=a.block_m)
     if a.case and not a.shape:
         return
     shapes = a.shape or ["1,7168,256,256,8", "4,7168,256,256,8", "1,4096,14336,8,2"]
     for s in shapes:
-        run(*map(int, s.split(",")), block_m=a.block_m, variant=a.variant)
+        run(*map(int, s.split(",")), block_m=a.block_m or 8, variant=a.variant)
 
 
 if __name__ == "__main__":
