@@ -567,12 +567,16 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
         for (int m = part + P * (threadIdx.x / kWaveSize); m < BM; m += P * (KT / kWaveSize)) {
           const int pair = pairs[m];
           if (pair >= p.num_pairs) continue;
-          float v[2];
+          float gate[2], up[2], v[2];  // every sum read before any is used (see below)
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int c = 2 * lane_id() + i, r = 16 * (c / 8) + c % 8;
-            v[i] = nt * C::kCols + c < p.N ? activate(value(r, m), p.activation) * value(r + 8, m) : 0.f;
+            gate[i] = value(r, m);
+            up[i] = value(r + 8, m);
           }
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            v[i] = nt * C::kCols + 2 * lane_id() + i < p.N ? activate(gate[i], p.activation) * up[i] : 0.f;
           split_block_store(v[0], v[1], static_cast<uint32_t*>(p.out) + (int64_t)pair * p.out_stride + nt * C::kCols,
                             p.out_scale + (int64_t)pair * (p.out_stride / C::kCols) + nt);
         }
@@ -589,14 +593,23 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       for (int q = threadIdx.x; q < NV * BM; q += KT) {
         const int c0 = h * CP + kV * (part * NV + q % NV), m = q / NV, pair = pairs[m], col = nt * C::kCols + c0;
         if (pair >= p.num_pairs || col >= p.N) continue;
-        Vec o;
+        // Every sum the vector needs is read first, then used: read one at a time between the
+        // activation's branches, each was a shared (or, in cluster pairs, distributed shared) memory
+        // round trip of its own, ~2.5-4 us a pass of block_m 128 (NOTES.md, 2026-11-27 (4)).
+        float a[kV], u[kV];  // the row's sums; gated: the gate rows', and the up rows'
 #pragma unroll
         for (int i = 0; i < kV; ++i) {
           const int c = c0 + i, r = (Gated ? 16 * (c / 8) + c % 8 : c) - h * R;
+          a[i] = value(r, m);
+          if constexpr (Gated) u[i] = value(r + 8, m);
+        }
+        Vec o;
+#pragma unroll
+        for (int i = 0; i < kV; ++i) {
           if constexpr (Gated)
-            o.e[i] = from_float<T>(activate(value(r, m), p.activation) * value(r + 8, m));
+            o.e[i] = from_float<T>(activate(a[i], p.activation) * u[i]);
           else
-            o.e[i] = topk[m] * value(r, m);
+            o.e[i] = topk[m] * a[i];
         }
         *reinterpret_cast<Vec*>(static_cast<O*>(p.out) + (int64_t)pair * p.out_stride + col) = o;
       }
