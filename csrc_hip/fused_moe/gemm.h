@@ -593,9 +593,9 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       for (int q = threadIdx.x; q < NV * BM; q += KT) {
         const int c0 = h * CP + kV * (part * NV + q % NV), m = q / NV, pair = pairs[m], col = nt * C::kCols + c0;
         if (pair >= p.num_pairs || col >= p.N) continue;
-        // Every sum the vector needs is read first, then used: read one at a time between the
-        // activation's branches, each was a shared (or, in cluster pairs, distributed shared) memory
-        // round trip of its own, ~2.5-4 us a pass of block_m 128 (NOTES.md, 2026-11-27 (4)).
+        // Every sum the vector needs is read first, then used. Read one at a time between the
+        // activation's branches, each was a shared (in cluster pairs, distributed shared) memory round
+        // trip of its own: a pass of block_m 128 took 2.5-4 us, ~1 us more (NOTES.md, 2026-11-27 (4)).
         float a[kV], u[kV];  // the row's sums; gated: the gate rows', and the up rows'
 #pragma unroll
         for (int i = 0; i < kV; ++i) {
