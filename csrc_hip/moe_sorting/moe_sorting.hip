@@ -169,8 +169,21 @@ HK_DEVICE void layout(const Args& a, RankSmem& s, int blk, int nblk) {
     }
     a.expert_ids[j] = v;
   }
-  for (int e = first; e < E; e += stride)
-    for (int q = s.base[e] + s.tot[e]; q < s.base[e + 1]; ++q) a.sorted[q] = a.num_pairs;
+  // Each segment's padding, by the thread of its expert, in 16-byte stores where the rows allow: with a
+  // 4-byte store a row, each store instruction touched a line per lane (8.7 us against 4.0 for 32 tokens
+  // x top-8 over 256 experts at block_m 32, H100). Coalescing them through a wave (an expert at a time)
+  // cost more at every other shape than it saved there: a serial chain of shuffles or shared reads.
+  const bool vec = reinterpret_cast<uintptr_t>(a.sorted) % 16 == 0;
+  const int4 fill = make_int4(a.num_pairs, a.num_pairs, a.num_pairs, a.num_pairs);
+  for (int e = first; e < E; e += stride) {
+    int q = s.base[e] + s.tot[e];
+    const int end = s.base[e + 1];
+    if (vec) {
+      for (; q < end && q % 4 != 0; ++q) a.sorted[q] = a.num_pairs;
+      for (; q + 4 <= end; q += 4) *reinterpret_cast<int4*>(a.sorted + q) = fill;
+    }
+    for (; q < end; ++q) a.sorted[q] = a.num_pairs;
+  }
   for (int q = total + first; q < a.max_padded; q += stride) a.sorted[q] = a.num_pairs;
 }
 
