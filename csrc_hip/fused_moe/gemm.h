@@ -666,12 +666,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       hooks.item_done(b % pl.n_mblocks);
       continue;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) *last_s = atomicAdd(p.counters + b, 1) == pl.split - 1;
-    __syncthreads();
-    if (!*last_s) continue;
-    __threadfence();
+    if (block_arrive(p.counters + b, last_s) != pl.split - 1) continue;  // not the group's last part
     for (int h = 0; h < C::kPasses; ++h) {
       if (h > 0) __syncthreads();  // the previous pass's outputs are written
       sum_parts<M, BM, KT, R>(p.partials + (int64_t)b * pl.split * kSplitFloats<M> + h * R, pl.split, pairs,
