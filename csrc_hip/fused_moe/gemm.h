@@ -131,9 +131,13 @@ struct Cursor {
   }
 };
 
-HK_DEVICE float activate(float g, int act) {
-  return act == kSilu ? g / (1.f + expf(-g)) : 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-}
+// silu by the hardware's exp2 and reciprocal (relative error ~1e-6, far inside every dtype's test
+// tolerance): expf and an IEEE division, inlined four times a vector with their slow paths, made the
+// split-K tail's emit ~300 cold instructions; it took 3-4 us at block_m 32, now ~1 (NOTES.md,
+// 2026-11-27 (5)). For g < -88 the sum is inf and the quotient 0 (silu's limit).
+HK_DEVICE float silu(float g) { return __fdividef(g, 1.f + __expf(-g)); }
+HK_DEVICE float gelu(float g) { return 0.5f * g * (1.f + erff(g * 0.70710678118654752f)); }
+HK_DEVICE float activate(float g, int act) { return act == kSilu ? silu(g) : gelu(g); }
 
 template <typename T, typename M, int BM, bool Gated>
 struct GemmCfg {
@@ -604,12 +608,17 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
           if constexpr (Gated) u[i] = value(r + 8, m);
         }
         Vec o;
+        if constexpr (Gated) {  // the activation chosen once a vector: each path one run of code
+          if (p.activation == kSilu) {
 #pragma unroll
-        for (int i = 0; i < kV; ++i) {
-          if constexpr (Gated)
-            o.e[i] = from_float<T>(activate(a[i], p.activation) * u[i]);
-          else
-            o.e[i] = topk[m] * a[i];
+            for (int i = 0; i < kV; ++i) o.e[i] = from_float<T>(silu(a[i]) * u[i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kV; ++i) o.e[i] = from_float<T>(gelu(a[i]) * u[i]);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kV; ++i) o.e[i] = topk[m] * a[i];
         }
         *reinterpret_cast<Vec*>(static_cast<O*>(p.out) + (int64_t)pair * p.out_stride + col) = o;
       }
