@@ -58,6 +58,24 @@ def test_both_paths_around_the_threshold(n_pairs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,bm", [(32, 8, 256, 32), (129, 9, 257, 16), (3000, 8, 64, 64)])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_sorted_ids_at_any_4_byte_offset(t, k, e, bm, offset):
+    """The padding goes out in 16-byte stores where sorted_token_ids starts 16-byte aligned (4-byte ones
+    up to and after them), in 4-byte stores otherwise: every offset gives the same outputs, and the words
+    around the view stay as they were (both paths: 3000 x 8 pairs take the multi-block one)."""
+    torch.manual_seed(t * 4 + offset)
+    ids = _routing(t, k, e)
+    mp = moe_sorting_max_padded(ids.numel(), e, bm)
+    buf = poison(torch.empty(mp + 4, dtype=torch.int32, device="cuda"))
+    out = (buf[offset:offset + mp], poison(torch.empty(mp // bm, dtype=torch.int32, device="cuda")),
+           poison(torch.empty(1, dtype=torch.int32, device="cuda")))
+    _check(ids, e, bm, hipkern.moe_sorting(ids, e, bm, out=out))
+    outside = torch.cat([buf[:offset], buf[offset + mp:]])
+    assert bool((outside == torch.iinfo(torch.int32).min).all()), "moe_sorting wrote outside sorted_token_ids"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t,k,e,bm", [(16384, 8, 256, 64), (65536, 2, 8, 128), (4096, 9, 257, 32),
                                       (131072, 8, 1024, 16), (1_000_003, 2, 64, 256)])
 def test_many_tokens_multi_block(t, k, e, bm):

@@ -164,8 +164,8 @@ HK_DEVICE int block_arrive(int* counter, int* slot) {
 }
 
 // 16 bytes (a float4, 16-byte aligned) that other blocks of this grid wrote and published (their
-// release, then an atomic this block observed with acquire: block_arrive), read where the device is coherent
-// (L2), never from a line this SM's L1 may hold.
+// release, then an atomic this block observed with acquire: block_arrive), read where the device is
+// coherent (L2), never from a line this SM's L1 may hold.
 HK_DEVICE float4 load_coherent4(const float* p) {
 #if defined(HK_PLATFORM_CUDA)
   return __ldcg(reinterpret_cast<const float4*>(p));
