@@ -675,7 +675,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
       hooks.item_done(b % pl.n_mblocks);
       continue;
     }
-    if (block_arrive(p.counters + b, last_s) != pl.split - 1) continue;  // not the group's last part
+    if (!block_arrive_last(p.counters + b, pl.split, last_s)) continue;  // not the group's last part
     for (int h = 0; h < C::kPasses; ++h) {
       if (h > 0) __syncthreads();  // the previous pass's outputs are written
       sum_parts<M, BM, KT, R>(p.partials + (int64_t)b * pl.split * kSplitFloats<M> + h * R, pl.split, pairs,

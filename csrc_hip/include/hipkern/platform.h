@@ -141,31 +141,36 @@ HK_DEVICE void spin_until_at_least(const int* flag, int target) {
 }
 
 // Every thread of a block, once its stores of what the block publishes are issued: counts the block's
-// arrival on *counter and returns to every thread the count before it (through *slot, shared memory).
-// A release of the block's stores and an acquire of what the earlier arrivals released, so that the last
-// arrival may read it (load_coherent4). On sm_90: a barrier, then one acq_rel atomic by thread 0 (its
-// release is cumulative through the barrier); __threadfence() on every wave before the count and after
-// it had made fused_moe's split-K tail ~0.5 us longer (fused_moe NOTES, 2026-11-27 (5)). Elsewhere those
-// fences, as before.
-HK_DEVICE int block_arrive(int* counter, int* slot) {
+// arrival on *counter and tells every thread whether it was the n-th, the last (through *slot, shared
+// memory). A release of the block's stores; for the last, an acquire of what the others released, so
+// that it may read it (load_coherent4). On sm_90: a barrier, then one acq_rel atomic by thread 0 (its
+// release is cumulative through the barrier); __threadfence() on every wave before the count and, on
+// the last, after it had made fused_moe's split-K tail ~0.5 us longer (fused_moe NOTES, 2026-11-27
+// (5)). Elsewhere those fences, as before.
+HK_DEVICE bool block_arrive_last(int* counter, int n, int* slot) {
 #if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__)
   __syncthreads();
-  if (threadIdx.x == 0)
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(*slot) : "l"(counter) : "memory");
+  if (threadIdx.x == 0) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    *slot = old == n - 1;
+  }
   __syncthreads();
+  return *slot;
 #else
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) *slot = atomicAdd(counter, 1);
+  if (threadIdx.x == 0) *slot = atomicAdd(counter, 1) == n - 1;
   __syncthreads();
+  if (!*slot) return false;
   __threadfence();
+  return true;
 #endif
-  return *slot;
 }
 
 // 16 bytes (a float4, 16-byte aligned) that other blocks of this grid wrote and published (their
-// release, then an atomic this block observed with acquire: block_arrive), read where the device is
-// coherent (L2), never from a line this SM's L1 may hold.
+// release, then an atomic this block observed with acquire: block_arrive_last), read where the device
+// is coherent (L2), never from a line this SM's L1 may hold.
 HK_DEVICE float4 load_coherent4(const float* p) {
 #if defined(HK_PLATFORM_CUDA)
   return __ldcg(reinterpret_cast<const float4*>(p));
