@@ -243,7 +243,7 @@ def test_run_graphtest_replays_one_call_per_rotated_copy():
 
 
 @pytest.mark.gpu
-def test_bench_device_line_names_the_unit_and_its_copy_rate():
+def test_bench_device_line_names_the_unit_its_copy_rate_and_a_calls_floor():
     from hipkern.bench import device_line
 
     line = device_line()
@@ -251,3 +251,5 @@ def test_bench_device_line_names_the_unit_and_its_copy_rate():
     assert props.name in line and str(props.uuid) in line
     rate = float(re.search(r"copy_ of 1 GiB here ([0-9.]+) TB/s", line).group(1))
     assert 0.05 < rate < 20  # any real GPU's copy rate; a zero, negative or absurd timing fails
+    floor = float(re.search(r"a one-element call here ([0-9.]+) us", line).group(1))
+    assert 0.5 < floor < 100  # a launch and two events: never free, never a millisecond

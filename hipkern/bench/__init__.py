@@ -7,7 +7,9 @@ COPY_BW_TBPS = 3.0  # measured H100 device-to-device copy bandwidth (read + writ
 
 
 def device_line() -> str:
-    """The GPU this run is on: its name, its UUID and its own copy rate (a 1 GiB ``copy_``, events).
+    """The GPU this run is on: its name, its UUID, its own copy rate (a 1 GiB ``copy_``, events) and
+    the events' floor of a call in run_perftest (a one-element ``add_``, whose kernel takes ~1 us: the
+    rest, ~3 us on the H100, every call pays; paged_attention NOTES.md, 2026-11-27 (6)).
 
     Units of one model differ: two H100s ran fused_moe's same code ~5 % apart (fused_moe NOTES.md,
     2026-11-25), so runs from different units compare only through this line.
@@ -24,8 +26,11 @@ def device_line() -> str:
     del src, dst
     torch.cuda.empty_cache()  # the benchmarks' largest shapes need the 2-3 GiB back
     tbps = 2 * (1 << 30) / us / 1e6
+    one = torch.zeros(1, device="cuda")
+    _, floor_us = run_perftest(one.add_, 1.0, num_iters=200)
     return (f"# device {dev}: {props.name}, uuid {getattr(props, 'uuid', 'unknown')}; copy_ of 1 GiB here "
-            f"{tbps:.3f} TB/s read + write (the bars' reference: {COPY_BW_TBPS:.1f} TB/s)")
+            f"{tbps:.3f} TB/s read + write (the bars' reference: {COPY_BW_TBPS:.1f} TB/s); "
+            f"a one-element call here {floor_us:.2f} us")
 
 
 def traced_module(family: str, define: str, reader: str, **params):
