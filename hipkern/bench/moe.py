@@ -10,6 +10,9 @@ it shows the kernels' own time without their launch latency (the issue's bars ar
 Check: custom against the float64 reference (act(gate) * up rounded to bf16 for bf16, as the op
 does), the tests' tolerances. Speedup: (naive / custom - 1) * 100, as in the log.
 
+Floor: a plain read of the row's bytes in the same harness (bench.floor.read_floor_us), the least any
+kernel that reads them takes there.
+
 Bytes: each distinct activated expert's w1 + w2 once, plus the hidden states in and the output out;
 TB/s against the H100's 3.0 TB/s copy bandwidth.
 
@@ -38,6 +41,7 @@ from hipkern.reference import fused_moe_ref
 from hipkern.testing import BenchTable, checkAllclose, l2_bytes, poison, run_graphtest, run_perftest
 
 from . import COPY_BW_TBPS
+from .floor import read_floor_us
 
 # The tests' tolerances (tests/test_fused_moe.py); fp32's is the issue's.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
@@ -50,8 +54,8 @@ DTYPE_ALIASES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": to
                  "bf16": torch.bfloat16}
 MAX_ROUTINGS = 16
 COLUMNS = ["dtype", "tokens", "model_dim", "inter_dim", "E", "topk", "routing", "naive_us", "custom_us",
-           "speedup_pct", "weight_MB", "TBps", "pct_of_copy_bw", "graph_us", "graph_TBps", "config", "max_err",
-           "check"]
+           "floor_us", "speedup_pct", "weight_MB", "TBps", "pct_of_copy_bw", "graph_us", "graph_TBps", "config",
+           "max_err", "check"]
 GRAPH_CALLS = 8  # calls per captured graph, at least
 
 
@@ -242,12 +246,15 @@ def bench_case(c: Case, table: BenchTable, cache: WeightCache, iters: int, naive
 
     nbytes = weight_bytes + 2 * x.numel() * x.element_size()
     tbps = nbytes / custom_us / 1e6
+    floor_us = read_floor_us(nbytes, num_iters=iters)
     print(f"[perf] custom moe bandwidth: {tbps:.3f} TB/s over {nbytes / 1e6:.1f} MB (activated experts' w1+w2 "
           f"{weight_bytes / 1e6:.1f} MB, each once, + hidden in/out), {100 * tbps / COPY_BW_TBPS:.1f}% of "
           f"{COPY_BW_TBPS:.1f} TB/s" + (f"; timed over {len(sets)} routings" if len(sets) > 1 else ""), flush=True)
+    print(f"[perf] read floor: {floor_us:.2f} us (a plain read of those bytes in this harness; custom / floor "
+          f"{custom_us / floor_us:.3f})", flush=True)
     table.add(dtype=DTYPE_NAMES[c.dtype], tokens=c.tokens, model_dim=c.model_dim, inter_dim=c.inter_dim,
               E=c.experts, topk=c.topk, routing=c.routing, naive_us=naive_us, custom_us=custom_us,
-              speedup_pct=speedup, weight_MB=weight_bytes / 1e6, TBps=tbps,
+              floor_us=floor_us, speedup_pct=speedup, weight_MB=weight_bytes / 1e6, TBps=tbps,
               pct_of_copy_bw=100 * tbps / COPY_BW_TBPS, graph_us=graph_us, graph_TBps=nbytes / graph_us / 1e6,
               config=launch_config(c, block_m),
               max_err=f"{max_err:.3g}", check="passed" if err == 0 else "FAILED")
@@ -256,13 +263,13 @@ def bench_case(c: Case, table: BenchTable, cache: WeightCache, iters: int, naive
 
 def summary(table: BenchTable, nums: list[int]) -> str:
     head = (f"{'Test':>4} {'dtype':>8} {'T':>4} {'D':>5} {'I':>5} {'E':>3} {'k':>1} {'routing':>7} "
-            f"{'naive_us':>10} {'custom_us':>10} {'speedup%':>9} {'TB/s':>6} {'%copy':>6} {'graph_us':>9} "
-            f"{'variant/bm':>11} check")
+            f"{'naive_us':>10} {'custom_us':>10} {'floor_us':>9} {'speedup%':>9} {'TB/s':>6} {'%copy':>6} "
+            f"{'graph_us':>9} {'variant/bm':>11} check")
     lines = [f"# fused_moe summary ({torch.cuda.get_device_name()})", head]
     for n, r in zip(nums, table.rows):
         lines.append(f"{n:>4} {r['dtype']:>8} {r['tokens']:>4} {r['model_dim']:>5} {r['inter_dim']:>5} {r['E']:>3} "
                      f"{r['topk']:>1} {r['routing']:>7} {r['naive_us']:>10.1f} {r['custom_us']:>10.1f} "
-                     f"{r['speedup_pct']:>9.1f} {r['TBps']:>6.3f} {r['pct_of_copy_bw']:>6.1f} "
+                     f"{r['floor_us']:>9.1f} {r['speedup_pct']:>9.1f} {r['TBps']:>6.3f} {r['pct_of_copy_bw']:>6.1f} "
                      f"{r['graph_us']:>9.1f} {r['config']:>11} {r['check']}")
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ read (each once), plus Q and O. Custom_Time_us: variant=None (the tuning databas
 its parameters); it and the per-variant columns (defaults): run_perftest (events
 around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the calls back to back in one
 CUDA graph over rotated inputs, as serving engines run decode and as the issue's peer figures were
-taken).
+taken). Floor_us: a plain read of the row's bytes in run_perftest (bench.floor.read_floor_us), the least
+any kernel reading them takes in this harness.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hipkern.reference import paged_attention_ref
 from hipkern.testing import BenchTable, checkAllclose, run_graphtest, run_perftest
 
 from . import COPY_BW_TBPS
+from .floor import read_floor_us
 
 BLOCK = 16
 REFERENCE_GRID = [(b, c, hq, hkv, d) for hq, hkv, d in ((64, 1, 256), (64, 8, 128))
@@ -89,9 +91,10 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     nbytes = sum(lens) * hkv * d * 2 * q.element_size() + 2 * q.numel() * q.element_size()
     us = custom_us
     tbps = nbytes / us / 1e6
+    floor_us = read_floor_us(nbytes, num_iters=iters)
     table.add(BatchSize=len(lens), ContextLen=n if name != "mixed" else f"mixed<= {n}", NumQHeads=hq,
               NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us, Custom_Time_us=us, Speedup=naive_us / us,
-              Variant=chosen, KV_MB=nbytes / 1e6, TBps=tbps, Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
+              Variant=chosen, Floor_us=floor_us, KV_MB=nbytes / 1e6, TBps=tbps, Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
               SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Graph_us=graph_us,
               Graph_TBps=nbytes / graph_us / 1e6, SDPA_contiguous_graph_us=contig_graph_us,
               Best_Variant=best, Best_us=times[best],
@@ -101,7 +104,7 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
 
 def main(out_dir: Path, quick: bool = False) -> int:
     cols = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
-            "Speedup", "Variant", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
+            "Speedup", "Variant", "Floor_us", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
             "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
             *[f"{v}_us" for v in VARIANTS], "Check"]
     table = BenchTable(cols, title="# paged_attention_decode (bf16, block 16, NHD)")

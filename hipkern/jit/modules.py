@@ -74,6 +74,15 @@ MODULE_FAMILIES = {
              ("ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
         ),
     },
+    "stream_read": {  # the benchmarks' read floor (hipkern.bench.read_floor_us)
+        "params": {},
+        "sources": ("stream_read/stream_read.hip",),
+        "defines": lambda: (),
+        "functions": (
+            # src, bytes, uint32* sink [grid], grid (the number of tiles of unroll x 4 KB), unroll, device, stream
+            ("hk_stream_read", "i32", ("ptr", "i64", "ptr", "i64", "i32", "i32", "ptr")),
+        ),
+    },
     "moe_sorting": {
         "params": {},
         "sources": ("moe_sorting/moe_sorting.hip",),
