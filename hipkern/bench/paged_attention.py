@@ -23,7 +23,7 @@ from hipkern.ops.paged_attention import VARIANTS, choose_variant
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import BenchTable, checkAllclose, run_graphtest, run_perftest
 
-from . import COPY_BW_TBPS
+from . import COPY_BW_TBPS, bars
 from .floor import read_floor_us
 
 BLOCK = 16
@@ -119,6 +119,7 @@ def main(out_dir: Path, quick: bool = False) -> int:
         torch.cuda.empty_cache()
     table.print()
     table.to_csv(out_dir / "paged_attention.csv")
+    print("\n".join(bars.paged_attention(table.rows)), flush=True)
     return failures
 
 

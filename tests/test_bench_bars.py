@@ -1,0 +1,65 @@
+"""The benchmarks' bar report (hipkern.bench.bars) on hand-made rows: each bar met and missed."""
+from hipkern.bench import bars
+
+
+def _pa(b, ctx, hq, hkv, d, us, mb, sdpa=1e9, floor=1.0):
+    return dict(BatchSize=b, ContextLen=ctx, NumQHeads=hq, NumKVHeads=hkv, HeadSize=d, Custom_Time_us=us, KV_MB=mb,
+                TBps=mb / us, SDPA_contiguous_us=sdpa, Floor_us=floor)
+
+
+def _verdicts(lines, key):
+    return [line.split(": ")[-1].split(" (")[0] for line in lines if key in line]
+
+
+def test_pa_bandwidth_bars_by_size():
+    rows = [_pa(32, 4096, 32, 8, 128, 100.0, 279.0, floor=90.0),  # 2.79 TB/s on >= 256 MB
+            _pa(64, 4096, 32, 8, 128, 100.0, 281.0),  # 2.81
+            _pa(8, 4096, 32, 8, 128, 100.0, 241.0),  # 2.41 on 64-256 MB
+            _pa(8, 4096, 32, 8, 128, 100.0, 63.0)]  # under 64 MB: no bandwidth bar
+    lines = bars.paged_attention(rows)
+    assert len(lines) == 3
+    assert _verdicts(lines, "TB/s") == ["NOT met", "met", "met"]
+    assert "NOT met (bar 99.64 us = 1.107x the read floor 90.00 us)" in lines[0]
+
+
+def test_pa_reference_grid_sdpa_and_smallest_shape():
+    rows = [_pa(1, 256, 64, 8, 128, 9.9, 1.0, sdpa=20.0), _pa(1, 256, 64, 1, 256, 10.1, 0.3, sdpa=10.0),
+            _pa(32, 2048, 64, 8, 128, 97.0, 269.0, sdpa=96.0)]
+    lines = bars.paged_attention(rows)
+    assert _verdicts(lines, "against SDPA") == ["met", "NOT met", "NOT met"]
+    assert _verdicts(lines, "the smallest") == ["met", "NOT met"]
+
+
+def test_pa_mixed_lengths_share_of_copy():
+    ok = dict(_pa(32, "mixed<= 4096", 32, 8, 128, 100.0, 241.0))
+    low = dict(_pa(32, "mixed<= 4096", 32, 8, 128, 100.0, 239.0))
+    assert _verdicts(bars.paged_attention([ok, low]), "mixed lengths") == ["met", "NOT met"]
+
+
+def _moe(dtype, tokens, d, i, e, k, routing, us, mb, weight_mb=None, floor=1.0):
+    return dict(dtype=dtype, tokens=tokens, model_dim=d, inter_dim=i, E=e, topk=k, routing=routing, custom_us=us,
+                TBps=mb / us, weight_MB=mb if weight_mb is None else weight_mb, floor_us=floor)
+
+
+def test_moe_skew_against_its_uniform_counterpart():
+    rows = [_moe("bfloat16", 8, 7168, 256, 256, 8, "uniform", 100.0, 270.0),  # 2.7 TB/s
+            _moe("bfloat16", 8, 7168, 256, 256, 8, "skewed", 40.0, 88.0),  # 2.2: 0.815 of uniform
+            _moe("bfloat16", 2, 7168, 256, 256, 8, "uniform", 100.0, 250.0),
+            _moe("bfloat16", 2, 7168, 256, 256, 8, "skewed", 40.0, 92.0),  # 2.3: 0.92
+            _moe("bfloat16", 4, 7168, 256, 256, 8, "skewed", 10.0, 88.0)]  # no uniform row: no skew bar
+    lines = bars.moe(rows)
+    assert _verdicts(lines, "skewed") == ["NOT met", "met"]
+    assert "0.815 of uniform" in lines[1]
+
+
+def test_moe_uniform_bars_and_the_one_token_bar():
+    rows = [_moe("bfloat16", 32, 8192, 6144, 8, 2, "uniform", 1000.0, 2790.0, weight_mb=2700.0),  # > 1 GB: 2.8
+            _moe("bfloat16", 32, 7168, 256, 256, 8, "uniform", 1000.0, 2450.0, weight_mb=900.0),  # <= 1 GB: 2.4
+            _moe("bfloat16", 1, 7168, 256, 256, 8, "uniform", 39.0, 88.0),  # 2.26 TB/s, 39 us
+            _moe("float32", 128, 8192, 6144, 8, 2, "uniform", 2000.0, 2400.0),  # 1.3 x 1.6 ms = 2080 us
+            _moe("float32", 128, 8192, 16384, 8, 2, "uniform", 5700.0, 6400.0),  # 1.3 x 4.3 ms = 5590 us
+            _moe("bfloat16", 64, 4096, 14336, 8, 2, "uniform", 100.0, 10.0)]  # Mixtral 8x7B: no bar
+    lines = bars.moe(rows)
+    assert len(lines) == 6
+    assert _verdicts(lines, "") == ["NOT met", "met", "NOT met", "met", "met", "NOT met"]
+    assert "<= 40 us (its own)" in lines[3]
