@@ -1,14 +1,14 @@
 // A plain streaming read: every 16-byte vector of a buffer read once, as fast as the memory system
 // gives it, with nothing else in the kernel. Its time in a benchmark's own harness is the floor of any
-// kernel that must read that many bytes there (hipkern.bench.read_floor_us): the harness's per-call
+// kernel that must read that many bytes there (hipkern.bench.floor.read_floor_us): the harness's per-call
 // cost, the ramp and the tail included.
 //
 // Block b reads the contiguous tile of vectors [b T, (b + 1) T), T = kUnroll x 256 (4-32 KB): lane t
 // reads vectors b T + u 256 + t, all kUnroll issued before any is used. One short block per tile, as
-// many as the buffer needs, left to the hardware's block scheduler: on the H100 this read was ~3 %
+// many as the buffer needs, left to the hardware's block scheduler: on the H100 this read was 2-3.5 %
 // faster at 67 MB-1 GB than a persistent grid striding over the buffer, and level with a Triton
-// kernel of the same shape. Each block XORs what it read into one word, sink[block], so the loads are
-// live; the tests check those words.
+// kernel of the same shape (paged_attention/NOTES.md, 2026-11-27 (7)). Each block XORs what it read
+// into one word, sink[block], so the loads are live; the tests check those words.
 #include "hipkern/error.h"
 #include "hipkern/reduce.h"
 

@@ -1,17 +1,18 @@
 """The issues' bars, judged on a benchmark run's rows: one line per bar with the measured value, the
 bar, "met" or "NOT met", and where the row has one, the bar's time over the row's read floor (what a
-plain read of the same bytes takes in the same harness, bench.floor): a bar under ~1.05x its floor
-asks more than any call of this library reaches at any size.
+plain read of the same bytes takes in the same harness, bench.floor). On the H100 the closest any call
+of this library comes to its floor is ~1.04x (NOTES.md of both ops, 2026-11-27 (7)).
 
 Paged attention (issue 3): >= 2.8 TB/s on every shape with >= 256 MB of bytes, >= 2.4 on 64-256 MB; every
 reference-grid shape faster than SDPA on contiguous KV; the mixed-length batch >= 80 % of the copy
 bandwidth; "no shape slower than 10 us", read (as every note since 2026-11-22 has) as the smallest
-reference shapes, batch 1 x context 256, within 10 us. Fused MoE (issue 5), bf16 and fp32 as benchmarked:
->= 2.4 TB/s on every uniform reference shape, >= 2.8 where the activated weights exceed 1 GB (bf16), and the
-bf16 1-token shape (D 7168, I 256, E 256, top-8) within its own bar of 40 us (the general 2.4 TB/s would ask
-~36.7 us of it: both lines are printed); fp32's
-Mixtral-like 128-token shapes within 1.3x of the issue's floors (1.6 / 4.3 ms); each skewed case within 10 %
-of its uniform counterpart's TB/s.
+reference shapes, batch 1 x context 256, within 10 us.
+
+Fused MoE (issue 5), bf16 and fp32 as benchmarked: >= 2.4 TB/s on every uniform reference shape, >= 2.8
+where the activated weights exceed 1 GB (bf16); the bf16 1-token shape (D 7168, I 256, E 256, top-8)
+within its own bar of 40 us (the general 2.4 TB/s would ask ~36.7 us of it: both lines are printed);
+fp32's Mixtral-like 128-token shapes within 1.3x of the issue's floors (1.6 / 4.3 ms); each skewed case
+within 10 % of its uniform counterpart's TB/s.
 """
 from __future__ import annotations
 
