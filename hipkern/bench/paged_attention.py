@@ -30,6 +30,10 @@ BLOCK = 16
 REFERENCE_GRID = [(b, c, hq, hkv, d) for hq, hkv, d in ((64, 1, 256), (64, 8, 128))
                   for b in (1, 8, 16, 32) for c in (256, 2048)]
 LARGE_GRID = [(b, c, 32, 8, 128) for b in (64, 128) for c in (4096, 16384, 32768)]
+COLUMNS = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
+           "Speedup", "Variant", "Floor_us", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
+           "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
+           *[f"{v}_us" for v in VARIANTS], "Check"]
 
 
 def make_inputs(lens, hq, hkv, d, dtype=torch.bfloat16, seed=0):
@@ -104,11 +108,7 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
 
 
 def main(out_dir: Path, quick: bool = False) -> int:
-    cols = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
-            "Speedup", "Variant", "Floor_us", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
-            "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
-            *[f"{v}_us" for v in VARIANTS], "Check"]
-    table = BenchTable(cols, title="# paged_attention_decode (bf16, block 16, NHD)")
+    table = BenchTable(COLUMNS, title="# paged_attention_decode (bf16, block 16, NHD)")
     failures = 0
     iters = 10 if quick else 50
     shapes = [("ref", [c] * b, hq, hkv, d, iters, 5) for b, c, hq, hkv, d in REFERENCE_GRID]
