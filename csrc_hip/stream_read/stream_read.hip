@@ -17,10 +17,6 @@ namespace stream_read {
 
 constexpr int kBlockThreads = 256;
 
-struct XorOp {
-  HK_DEVICE uint32_t operator()(uint32_t a, uint32_t b) const { return a ^ b; }
-};
-
 HK_DEVICE uint32_t fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
 template <int kUnroll>
@@ -39,15 +35,8 @@ __global__ void __launch_bounds__(kBlockThreads) stream_read_kernel(const uint4*
   }
 
   __shared__ uint32_t waves[kBlockThreads / kWaveSize];
-  acc = group_reduce(acc, XorOp());
-  const int wave = threadIdx.x / kWaveSize;
-  if (threadIdx.x % kWaveSize == 0) waves[wave] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t all = 0;
-    for (int w = 0; w < kBlockThreads / kWaveSize; ++w) all ^= waves[w];
-    sink[blockIdx.x] = all;
-  }
+  acc = block_reduce<kBlockThreads>(acc, waves, XorOp(), 0u);
+  if (threadIdx.x == 0) sink[blockIdx.x] = acc;
 }
 
 template <int kUnroll>

@@ -9,6 +9,7 @@ namespace hk {
 struct MaxOp { template <typename T> HK_DEVICE T operator()(T a, T b) const { return a > b ? a : b; } };
 struct MinOp { template <typename T> HK_DEVICE T operator()(T a, T b) const { return a < b ? a : b; } };
 struct SumOp { template <typename T> HK_DEVICE T operator()(T a, T b) const { return a + b; } };
+struct XorOp { template <typename T> HK_DEVICE T operator()(T a, T b) const { return a ^ b; } };
 
 template <int Width = kWaveSize, typename T, typename Op>
 HK_DEVICE T group_reduce(T v, Op op) {
@@ -65,20 +66,27 @@ HK_DEVICE float key_to_float(uint32_t k) {
 HK_DEVICE uint32_t ordered_key16(uint16_t b) { return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u); }
 HK_DEVICE uint16_t key16_to_bits(uint32_t k) { return (uint16_t)((k & 0x8000u) ? (k & 0x7fffu) : (~k & 0xffffu)); }
 
-// Sum over a whole thread block of BlockThreads threads; `scratch` holds one float per wave.
-// All threads get the result. Contains barriers: every thread of the block must call it.
-template <int BlockThreads>
-HK_DEVICE float block_sum(float v, float* scratch) {
+// `op` over a whole thread block of BlockThreads threads (`identity`: op's neutral value); `scratch`
+// holds one T per wave. All threads get the result. Contains barriers: every thread of the block must
+// call it.
+template <int BlockThreads, typename T, typename Op>
+HK_DEVICE T block_reduce(T v, T* scratch, Op op, T identity) {
   constexpr int kWaves = BlockThreads / kWaveSize;
   static_assert(BlockThreads % kWaveSize == 0, "block of whole waves");
-  v = group_sum(v);
+  v = group_reduce(v, op);
   if (kWaves == 1) return v;
   const int wave = threadIdx.x / kWaveSize;
   __syncthreads();
   if (lane_id() == 0) scratch[wave] = v;
   __syncthreads();
-  float t = lane_id() < kWaves ? scratch[lane_id()] : 0.f;
-  return group_sum(t);
+  const T t = lane_id() < kWaves ? scratch[lane_id()] : identity;
+  return group_reduce(t, op);
+}
+
+// Sum over a whole thread block (block_reduce).
+template <int BlockThreads>
+HK_DEVICE float block_sum(float v, float* scratch) {
+  return block_reduce<BlockThreads>(v, scratch, SumOp(), 0.f);
 }
 
 // Inclusive prefix sum over the lanes of each aligned group of `Width` lanes.
