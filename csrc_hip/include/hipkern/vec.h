@@ -2,6 +2,8 @@
 // (16 bytes is the widest a lane issues on both targets), then widened to float.
 #pragma once
 
+#include <type_traits>
+
 #include "hipkern/dtype.h"
 
 namespace hk {
@@ -29,13 +31,25 @@ HK_DEVICE void load_vec(const T* __restrict__ p, T (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = x.v[i];
 }
 
-// The N elements of T held in one raw access (as load_vec reads it), widened to float.
+// The N elements of T held in one raw access (as load_vec reads it), widened to float. bf16 pairs
+// are widened a 32-bit word at a time: the low element by one shift, the high one by one mask
+// (element by element, the high one took an extract and a shift).
 template <typename T, int N>
 HK_DEVICE void raw_as_float(const typename raw_vec<sizeof(T) * N>::type& r, float (&out)[N]) {
-  vec_t<T, N> x;
-  *reinterpret_cast<typename raw_vec<sizeof(T) * N>::type*>(&x) = r;
+  if constexpr (std::is_same<T, bf16_t>::value && N % 2 == 0) {
+    vec_t<uint32_t, N / 2> w;
+    *reinterpret_cast<typename raw_vec<sizeof(T) * N>::type*>(&w) = r;
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(x.v[i]);
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = bits_to_float(w.v[i] << 16);
+      out[2 * i + 1] = bits_to_float(w.v[i] & 0xffff0000u);
+    }
+  } else {
+    vec_t<T, N> x;
+    *reinterpret_cast<typename raw_vec<sizeof(T) * N>::type*>(&x) = r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(x.v[i]);
+  }
 }
 
 // Load N consecutive elements at p (which must be aligned to N * sizeof(T)) and widen to float.
