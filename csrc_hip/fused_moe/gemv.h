@@ -41,6 +41,7 @@ struct GemvArgs {
   void* inter;  // [T k][I] (T)
   void* out;    // [T][D]
   int num_tokens, topk, num_experts, dim, inter_dim, activation;
+  uint32_t inv_pairs;  // ceil(2^32 / (num_tokens * topk)) for two pairs or more, set by launch_gemv
 };
 
 // Launch shapes, measured on the H100 (NOTES.md, "The gemv variant"): the gated kernel's 256 threads
@@ -72,8 +73,12 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
   constexpr int kWaves = kThreads / kWaveSize;
   __shared__ float part[kWaves][2];
   griddep_launch_dependents();  // the down kernel may launch once every gated block has started
+  // Block b = i * pairs + p (pair fastest). b / pairs as a multiply-high by inv_pairs = ceil(2^32 /
+  // pairs) (exact for b < 2^27 and 2 <= pairs <= 32: the launcher's bounds), ~20 instructions less
+  // than a division; one pair (inv_pairs would be 2^32) is b itself.
   const int num_pairs = a.num_tokens * a.topk;
-  const int p = (int)(blockIdx.x % (unsigned)num_pairs), i = (int)(blockIdx.x / (unsigned)num_pairs);
+  const int i = num_pairs == 1 ? (int)blockIdx.x : (int)__umulhi(blockIdx.x, a.inv_pairs);
+  const int p = (int)blockIdx.x - i * num_pairs;
   const int le = gemv_local_expert(a, p);
   if (le < 0) return;  // the whole block: no barrier is reached
   const int D = a.dim, nch = D / kVec;
@@ -134,12 +139,16 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks
   if (unit >= (int64_t)a.num_tokens * a.dim) return;  // the whole wave
   const int t = (int)(unit % a.num_tokens), d = (int)(unit / a.num_tokens);  // tokens fastest: shared rows
   const int lane = lane_id(), k = a.topk, I = a.inter_dim, nch = I / kVec;
-  // Lane j < k holds slot j's local expert (-1: dropped) and weight.
-  int slot_e = -1;
+  // Lane j < k holds slot j's weight and where its w2 row d starts (elements; -1: dropped), so an
+  // item's address is a shuffle and an add.
+  int64_t slot_row = -1;
   float slot_w = 0.f;
   if (lane < k) {
-    slot_e = gemv_local_expert(a, t * k + lane);
-    if (slot_e >= 0) slot_w = a.topk_weights[(int64_t)t * k + lane];
+    const int e = gemv_local_expert(a, t * k + lane);
+    if (e >= 0) {
+      slot_row = ((int64_t)e * a.dim + d) * I;
+      slot_w = a.topk_weights[(int64_t)t * k + lane];
+    }
   }
   const T* w2 = static_cast<const T*>(a.w2);
   const T* inter = static_cast<const T*>(a.inter) + (int64_t)t * k * I;
@@ -154,12 +163,12 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks
     int j = j0, q = q0;
 #pragma unroll
     for (int s = 0; s < kLoads; ++s) {
-      const int e = shfl(slot_e, j);
+      const int64_t row = shfl(slot_row, j);
       const int c = lane + q * kWaveSize;
-      ok[s] = f0 + s < n && e >= 0 && c < nch;
+      ok[s] = f0 + s < n && row >= 0 && c < nch;
       js[s] = j;
       cs[s] = c;
-      if (ok[s]) wv[s] = load_once16(w2 + ((int64_t)e * a.dim + d) * I + c * kVec);
+      if (ok[s]) wv[s] = load_once16(w2 + row + c * kVec);
       if (++j == k) {
         j = 0;
         ++q;
@@ -173,7 +182,7 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks
       const float w = shfl(slot_w, js[s]);
       if (ok[s]) {
         float iv[kVec], wf[kVec];
-        load_as_float<T, kVec>(inter + (int64_t)js[s] * I + cs[s] * kVec, iv);
+        load_as_float<T, kVec>(inter + (js[s] * I + cs[s] * kVec), iv);  // < T k I < 2^31
         raw_as_float<T, kVec>(wv[s], wf);
         float dot = 0.f;
 #pragma unroll
@@ -192,8 +201,10 @@ int launch_gemv(const GemvArgs& a, hipStream_t stream) {
   const int64_t pairs = (int64_t)a.num_tokens * a.topk;
   const int64_t gated = pairs * a.inter_dim, units = (int64_t)a.num_tokens * a.dim;
   constexpr int kWaves = C::kDownThreads / kWaveSize;
-  HK_REQUIRE(pairs >= 1 && pairs <= kGemvPairs && gated < (1ll << 31) && units / kWaves < (1ll << 30));
-  hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, a);
+  HK_REQUIRE(pairs >= 1 && pairs <= kGemvPairs && gated < (1ll << 27) && units / kWaves < (1ll << 30));
+  GemvArgs g = a;
+  g.inv_pairs = pairs > 1 ? (uint32_t)(((1ull << 32) + pairs - 1) / pairs) : 0u;  // unused for one pair
+  hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
   HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
   HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)((units + kWaves - 1) / kWaves)),
                             dim3(C::kDownThreads), 0, stream, a));
