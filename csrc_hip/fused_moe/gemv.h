@@ -44,19 +44,22 @@ struct GemvArgs {
   uint32_t inv_pairs;  // ceil(2^32 / (num_tokens * topk)) for two pairs or more, set by launch_gemv
 };
 
-// Launch shapes, measured on the H100 (NOTES.md, "The gemv variant"): the gated kernel's 256 threads
-// a block with 4 chunks of each row in flight a thread (DeepSeek-like D = 7168: one pass); the down
-// kernel's 4 loads a lane at <= 64 registers (4 blocks of 256 an SM), which keeps more of its waves
-// resident, so more of them request their weights before the gated kernel ends, than 8 loads at 94.
+// Launch shapes, measured on the H100 (NOTES.md, "The gemv variant" and 2026-11-27 (8)): the gated
+// kernel's 256 threads a block with 4 chunks of each row in flight a thread (DeepSeek-like D = 7168: one
+// pass); the down kernel's 4 loads a lane, which keeps more of its waves resident, so more of them
+// request their weights before the gated kernel ends, than 8 loads. For 16-bit types the registers are
+// bounded for 4 gated blocks an SM (<= 64) and 5 down blocks (<= 48), with no spills: skewed 4 tokens
+// 11 % and 2 tokens 5 % faster, the uniform shapes level; float32 keeps 1 and 4 blocks (86 / <= 64
+// registers), which it ran 1.5-3 % faster. HIP ignores the bounds (HK_LAUNCH_BOUNDS).
 template <typename T>
 struct GemvCfg {
   static constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte load
   static constexpr int kGatedThreads = 256;
   static constexpr int kGatedLoads = 4;  // 16-byte chunks of each of the two rows a thread has in flight
-  static constexpr int kGatedMinBlocks = 1;
+  static constexpr int kGatedMinBlocks = sizeof(T) == 2 ? 4 : 1;
   static constexpr int kDownThreads = 256;
   static constexpr int kDownLoads = 4;  // (slot, chunk) loads a lane has in flight
-  static constexpr int kDownMinBlocks = 4;
+  static constexpr int kDownMinBlocks = sizeof(T) == 2 ? 5 : 4;
 };
 
 // The pair's local expert, or -1 when the pair is dropped.
