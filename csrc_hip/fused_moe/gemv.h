@@ -49,7 +49,7 @@ struct GemvArgs {
 // pass); the down kernel's 4 loads a lane, which keeps more of its waves resident, so more of them
 // request their weights before the gated kernel ends, than 8 loads. For 16-bit types the registers are
 // bounded for 4 gated blocks an SM (<= 64) and 5 down blocks (<= 48), with no spills: skewed 4 tokens
-// 11 % and 2 tokens 5 % faster, the uniform shapes level; float32 keeps 1 and 4 blocks (86 / <= 64
+// 11 % and 2 tokens 5 % faster, the uniform shapes level; float32 keeps 1 and 4 blocks (80 / <= 64
 // registers), which it ran 1.5-3 % faster. HIP ignores the bounds (HK_LAUNCH_BOUNDS).
 template <typename T>
 struct GemvCfg {
