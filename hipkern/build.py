@@ -20,17 +20,23 @@ def _short(name: str, width: int = 88) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def select(only) -> list:
+    """The module specs `--only` selects: those whose name contains any of the patterns (all without one)."""
+    return [s for s in jit.all_specs() if not only or any(o in s.name for o in only)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hipkern.build", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", help="target arch (repeatable); default: this GPU's")
-    ap.add_argument("--only", help="build only the module families whose name contains this")
+    ap.add_argument("--only", action="append",
+                    help="build only the modules whose name contains this (repeatable: any of them)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = ap.parse_args(argv)
     archs = args.arch or [jit.current_arch()]
-    specs = [s for s in jit.all_specs() if not args.only or args.only in s.name]
+    specs = select(args.only)
     if not specs:
-        print(f"no module matches --only {args.only!r}", file=sys.stderr)
+        print(f"no module matches --only {' / '.join(args.only)}", file=sys.stderr)
         return 2
     failures = 0
     for arch in archs:

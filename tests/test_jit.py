@@ -207,6 +207,20 @@ def test_every_shipped_module_builds_and_loads(arch, jit_dir, tmp_path):
             assert rc != 0 and "failed" in mod.last_error()
 
 
+def test_build_only_is_repeatable_and_selects_any_pattern(capsys):
+    """`python -m hipkern.build --only a --only b` builds the modules matching a or b (argparse used to keep
+    only the last --only); a pattern that matches nothing fails before any build."""
+    from hipkern import build
+
+    names = {s.name for s in jit.all_specs()}
+    both = {s.name for s in build.select(["stream_read", "topk_softmax"])}
+    assert both == {n for n in names if "stream_read" in n or "topk_softmax" in n}
+    assert any("stream_read" in n for n in both) and any("topk_softmax" in n for n in both)
+    assert {s.name for s in build.select(None)} == names
+    assert build.main(["--arch", "sm_90", "--only", "no_such_module_zz"]) == 2
+    assert "no_such_module_zz" in capsys.readouterr().err
+
+
 def test_module_override_is_what_module_for_returns_then_is_undone():
     """The ops' per-device module cache: an override (a diagnostic build, say) is found under the same
     key as the op's lookup whatever the keyword order, and the previous entry comes back after it."""
