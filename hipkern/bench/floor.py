@@ -55,7 +55,7 @@ def _launch(src, nbytes, sink, grid, unroll):
 
 def read_floor_us(nbytes: int, num_iters: int = 50) -> float:
     """Median us of the fastest tile size's read of `nbytes` (rounded up to 16) in run_perftest, on the
-    current GPU; memoised per (GPU, bytes) for the process."""
+    current GPU; memoised per (GPU, bytes, num_iters) for the process."""
     dev = torch.cuda.current_device()
     nbytes = -(-int(nbytes) // 16) * 16
     key = (dev, nbytes, num_iters)
