@@ -47,10 +47,11 @@ struct GemvArgs {
 // Launch shapes, measured on the H100 (NOTES.md, "The gemv variant" and 2026-11-27 (8)): the gated
 // kernel's 256 threads a block with 4 chunks of each row in flight a thread (DeepSeek-like D = 7168: one
 // pass); the down kernel's 4 loads a lane, which keeps more of its waves resident, so more of them
-// request their weights before the gated kernel ends, than 8 loads. For 16-bit types the registers are
-// bounded for 4 gated blocks an SM (<= 64) and 5 down blocks (<= 48), with no spills: skewed 4 tokens
-// 11 % and 2 tokens 5 % faster, the uniform shapes level; float32 keeps 1 and 4 blocks (80 / <= 64
-// registers), which it ran 1.5-3 % faster. HIP ignores the bounds (HK_LAUNCH_BOUNDS).
+// request their weights before the gated kernel ends, than 8 loads. For 16-bit types the gated kernel's
+// registers are bounded for 4 blocks an SM (<= 64), with no spills: skewed 4 tokens 11 % and 2 tokens
+// 5 % faster, the uniform shapes level; float32 keeps 1 (80 registers), which it ran 1.5-3 % faster.
+// The down kernel is bounded for 4 blocks (<= 64): its batch's four intermediate loads in flight at once
+// need them (at 5 blocks, <= 48, they spilled; 2026-11-27 (9)). HIP ignores the bounds (HK_LAUNCH_BOUNDS).
 template <typename T>
 struct GemvCfg {
   static constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte load
@@ -59,7 +60,7 @@ struct GemvCfg {
   static constexpr int kGatedMinBlocks = sizeof(T) == 2 ? 4 : 1;
   static constexpr int kDownThreads = 256;
   static constexpr int kDownLoads = 4;  // (slot, chunk) loads a lane has in flight
-  static constexpr int kDownMinBlocks = sizeof(T) == 2 ? 5 : 4;
+  static constexpr int kDownMinBlocks = 4;
 };
 
 // The pair's local expert, or -1 when the pair is dropped.
@@ -180,12 +181,19 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks
     j0 = j;
     q0 = q;
     if (f0 == 0) griddep_wait();  // inter is the gated kernel's output
+    // The batch's intermediate chunks (L2 hits) requested together before the first is used: one L2
+    // round trip a batch. Loaded item by item, the compiler issued each load after the previous item's
+    // products, four round trips in series (1 token: down kernel 15.7 -> 14.4 us).
+    uint4 iraw[kLoads];
+#pragma unroll
+    for (int s = 0; s < kLoads; ++s)
+      if (ok[s]) iraw[s] = *reinterpret_cast<const uint4*>(inter + (js[s] * I + cs[s] * kVec));  // < T k I < 2^31
 #pragma unroll
     for (int s = 0; s < kLoads; ++s) {
       const float w = shfl(slot_w, js[s]);
       if (ok[s]) {
         float iv[kVec], wf[kVec];
-        load_as_float<T, kVec>(inter + (js[s] * I + cs[s] * kVec), iv);  // < T k I < 2^31
+        raw_as_float<T, kVec>(iraw[s], iv);
         raw_as_float<T, kVec>(wv[s], wf);
         float dot = 0.f;
 #pragma unroll
