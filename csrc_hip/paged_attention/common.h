@@ -360,19 +360,33 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   }
   if (n <= 1 || head >= p.num_q_heads) return;  // one partition: the decode kernel wrote the output
   float M = -INFINITY, L = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int j = 0; j < n; ++j) {
-    const int64_t r = first + j * stride;
-    const float m = p.part_ml[2 * r], l = p.part_ml[2 * r + 1];
-    const float4 o = *reinterpret_cast<const float4*>(p.part_o + r * D + d);
-    if (m == -INFINITY) continue;  // an empty partial
-    const float mn = fmaxf(M, m), a = merge_weight(M, mn), c = fast_exp2(m - mn);
-    L = L * a + l * c;
-    O[0] = O[0] * a + o.x * c;
-    O[1] = O[1] * a + o.y * c;
-    O[2] = O[2] * a + o.z * c;
-    O[3] = O[3] * a + o.w * c;
-    M = mn;
+  // kBatch partials' loads (L2 hits) issued together before any is used: one round trip a batch.
+  // Loaded one partial at a time, (m, l) then o behind a branch on m, they ran as two round trips a
+  // partial, in series.
+  constexpr int kBatch = 4;
+  for (int j0 = 0; j0 < n; j0 += kBatch) {
+    float2 ml[kBatch];
+    float4 o[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (j0 + b < n) {  // every partial below n was written
+        const int64_t r = first + (int64_t)(j0 + b) * stride;
+        ml[b] = *reinterpret_cast<const float2*>(p.part_ml + 2 * r);
+        o[b] = *reinterpret_cast<const float4*>(p.part_o + r * D + d);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const float m = ml[b].x;
+      if (j0 + b >= n || m == -INFINITY) continue;  // past the last partial, or an empty one
+      const float mn = fmaxf(M, m), a = merge_weight(M, mn), c = fast_exp2(m - mn);
+      L = L * a + ml[b].y * c;
+      O[0] = O[0] * a + o[b].x * c;
+      O[1] = O[1] * a + o[b].y * c;
+      O[2] = O[2] * a + o[b].z * c;
+      O[3] = O[3] * a + o[b].w * c;
+      M = mn;
+    }
   }
   const float f = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
