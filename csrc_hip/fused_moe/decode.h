@@ -70,24 +70,38 @@ HK_DEVICE void route(const int32_t* ids, const int32_t* expert_map, int n, int n
 }
 
 // out[t][4c .. 4c + 3] = the sum of y over t's kept pairs in slot order (no float atomics), over a
-// grid-stride loop of this grid.
+// grid-stride loop of this grid. kSlots slots at a time: their ids, then their y rows (L2 hits), each
+// group of loads issued together before any is used; one slot at a time they ran as an ids, a map and
+// a y round trip in series.
 template <typename T, int kThreads>
 HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* expert_map, int num_experts, T* out,
                             int64_t num_tokens, int topk, int dim) {
+  constexpr int kSlots = 8;
   const int quads = dim / 4;
   const int64_t n = num_tokens * quads;
   for (int64_t i = blockIdx.x * (int64_t)kThreads + threadIdx.x; i < n; i += (int64_t)gridDim.x * kThreads) {
     const int64_t t = i / quads;
     const int c = (int)(i % quads) * 4;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < topk; ++j) {
-      const int64_t pair = t * topk + j;
-      if (!moe_pair_kept(ids[pair], num_experts, expert_map)) continue;
-      const float4 v = *reinterpret_cast<const float4*>(y + pair * dim + c);
-      acc[0] += v.x;
-      acc[1] += v.y;
-      acc[2] += v.z;
-      acc[3] += v.w;
+    for (int j0 = 0; j0 < topk; j0 += kSlots) {
+      int e[kSlots];
+#pragma unroll
+      for (int b = 0; b < kSlots; ++b) e[b] = j0 + b < topk ? ids[t * topk + j0 + b] : -1;
+      bool kept[kSlots];
+#pragma unroll
+      for (int b = 0; b < kSlots; ++b) kept[b] = moe_pair_kept(e[b], num_experts, expert_map);
+      float4 v[kSlots];
+#pragma unroll
+      for (int b = 0; b < kSlots; ++b)
+        if (kept[b]) v[b] = *reinterpret_cast<const float4*>(y + (t * topk + j0 + b) * dim + c);
+#pragma unroll
+      for (int b = 0; b < kSlots; ++b) {
+        if (!kept[b]) continue;
+        acc[0] += v[b].x;
+        acc[1] += v[b].y;
+        acc[2] += v[b].z;
+        acc[3] += v[b].w;
+      }
     }
     store_from_float<T, 4>(out + t * dim + c, acc);
   }
