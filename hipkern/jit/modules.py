@@ -74,7 +74,7 @@ MODULE_FAMILIES = {
              ("ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
         ),
     },
-    "stream_read": {  # the benchmarks' read floor (hipkern.bench.read_floor_us)
+    "stream_read": {  # the benchmarks' read floor (hipkern.bench.floor.read_floor_us)
         "params": {},
         "sources": ("stream_read/stream_read.hip",),
         "defines": lambda: (),
