@@ -149,6 +149,11 @@ def test_gelu(dtype, shape):
         run_and_check(*make_case(t, **shape, e=e, k=k, dtype=dtype, seed=t), activation="gelu")
 
 
+def gemv_variants(dtype) -> tuple:
+    """The gemv variants a dtype runs (gemv_mma: matrix cores, 16-bit types)."""
+    return ("gemv",) if dtype == torch.float32 else ("gemv", "gemv_mma")
+
+
 LARGE = [pytest.param(7168, 256, 256, 8, id="7168x256-E256-top8"),
          pytest.param(4096, 14336, 8, 2, id="4096x14336-E8-top2"),
          pytest.param(2880, 2880, 32, 4, id="2880x2880-E32-top4")]
@@ -183,7 +188,7 @@ def test_weights_over_2_pow_31_elements_read_at_the_far_end():
     emap[2 * e - 1], emap[3] = e - 1, e - 2  # global 2E-1 -> the last local expert
     mapped = torch.tensor([[2 * e - 1, 3], [3, 5], [2 * e - 1, 0], [9, 11], [3, 2 * e - 1]], dtype=torch.int32,
                           device="cuda")
-    for variant in (None, "gemv"):
+    for variant in (None,) + gemv_variants(dtype):
         run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), ids, variant=variant)
         run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), mapped, expert_map=emap,
                       variant=variant)
@@ -459,7 +464,7 @@ def test_decode_variant(dtype, block_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["decode", "gemv"])
+@pytest.mark.parametrize("variant", ["decode", "gemv", "gemv_mma"])
 def test_few_pair_variants_under_graph_capture(variant):
     t, e, k = 4, 64, 8
     x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=torch.bfloat16)
@@ -481,15 +486,24 @@ def test_few_pair_variants_under_graph_capture(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gemv", "gemv_mma"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_variant(dtype):
-    """The matrix-vector variant (a block per gated row and pair; a wave per output element summing
-    its token's slots): the few-pair cases of the decode test, then the edges of its loops: model dims
-    whose chunks do not fill the block's threads (200, 8 / 4 chunks of 16 bytes short of one per
-    thread) or need a second pass (8704), inter dims shorter than a wave (72) or spanning several load
-    batches with a partial one (2176, over slots 9 at a time), top-32 (a slot per lane of a full
-    wave), ids out of range (dropped), the 32-pair limit, and bitwise repeats."""
-    check_few_pairs(dtype, "gemv")
+def test_gemv_variant(dtype, variant):
+    """The matrix-vector variants (a block per gated row and pair, or for gemv_mma per row and expert
+    with all its pairs; a wave per output element summing its token's slots): the few-pair cases of
+    the decode test (for gemv_mma: 32 pairs on one expert, 8 passes of its 4-pair products), then the
+    edges of their loops: model dims whose chunks do not fill the block's threads (200, 8 / 4 chunks
+    of 16 bytes short of one per thread; for gemv_mma segments of one partial run) or need a second
+    pass / load batch (8704), inter dims shorter than a wave (72) or spanning several load batches
+    with a partial one (2176, over slots 9 at a time), top-32 (a slot per lane of a full wave), ids
+    out of range (dropped), the 32-pair limit, and bitwise repeats. float32 has no gemv_mma: a
+    ValueError."""
+    if variant not in gemv_variants(dtype):
+        x, w1, w2, w, ids = make_case(1, 128, 64, 8, 2, dtype)
+        with pytest.raises(ValueError, match="variant='gemv_mma' takes float16 or bfloat16"):
+            hipkern.fused_moe(x, w1, w2, w, ids, variant=variant)
+        return
+    check_few_pairs(dtype, variant)
     for t, d, i, e, k in ((1, 8704, 72, 16, 8), (3, 128, 2176, 16, 9), (1, 200, 2176, 64, 32), (32, 256, 128, 8, 1),
                           (2, 7168, 256, 16, 8)):
         x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=t * 100 + k)
@@ -497,15 +511,15 @@ def test_gemv_variant(dtype):
             kept_ids, kept_w = ids.clone(), w.clone()
             ids[1, 2], ids[2, 0] = e, -1
             kept_w[1, 2] = kept_w[2, 0] = 0.0
-            res = hipkern.fused_moe(x, w1, w2, w, ids, out=poison(torch.empty_like(x)), variant="gemv")
-            assert checkAllclose(res, reference(x, w1, w2, kept_w, kept_ids), msg="gemv, dropped ids ",
+            res = hipkern.fused_moe(x, w1, w2, w, ids, out=poison(torch.empty_like(x)), variant=variant)
+            assert checkAllclose(res, reference(x, w1, w2, kept_w, kept_ids), msg=f"{variant}, dropped ids ",
                                  **TOL[dtype]) == 0
         else:
-            res = run_and_check(x, w1, w2, w, ids, variant="gemv")
+            res = run_and_check(x, w1, w2, w, ids, variant=variant)
         grouped = hipkern.fused_moe(x, w1, w2, w, ids, variant="grouped")
-        assert checkAllclose(res, grouped, msg="gemv vs grouped ", **TOL[dtype]) == 0
+        assert checkAllclose(res, grouped, msg=f"{variant} vs grouped ", **TOL[dtype]) == 0
         for _ in range(3):
-            assert torch.equal(hipkern.fused_moe(x, w1, w2, w, ids, variant="gemv"), res), "not deterministic"
+            assert torch.equal(hipkern.fused_moe(x, w1, w2, w, ids, variant=variant), res), "not deterministic"
 
 
 @pytest.mark.gpu
@@ -515,11 +529,14 @@ def test_gemv_variant_large_shapes(dtype, d, i, e, k):
     w1, w2 = make_weights(e, d, i, dtype, seed=d)
     for t in (1, 32 // k):
         x, w, ids = make_tokens(t, d, dtype, t), routing_weights(t, k, t), uniform_ids(t, k, e, t)
-        run_and_check(x, w1, w2, w, ids, variant="gemv")
+        for variant in gemv_variants(dtype):
+            run_and_check(x, w1, w2, w, ids, variant=variant)
+            if t > 1:  # every token on the first token's experts: gemv_mma's pairs grouped by expert
+                run_and_check(x, w1, w2, w, ids[:1].expand(t, k).contiguous(), variant=variant)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["grouped", "decode", "gemv"])
+@pytest.mark.parametrize("variant", ["grouped", "decode", "gemv", "gemv_mma"])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_internal_buffers_are_written_before_they_are_read(dtype, block_m, variant):
@@ -527,6 +544,8 @@ def test_internal_buffers_are_written_before_they_are_read(dtype, block_m, varia
     split rows, whose blocks of 64 columns pad D = 200 and I = 72) come from torch's caching allocator
     uninitialised: fill the memory it will hand out with NaN first, so that any element read before it
     is written reaches the output."""
+    if variant == "gemv_mma" and dtype == torch.float32:
+        pytest.skip("gemv_mma takes 16-bit types (test_gemv_variant checks the error)")
     t, e, k = 13, 8, 2  # 26 pairs: within every variant's domain
     x, w1, w2, w, ids = make_case(t, **ODD, e=e, k=k, dtype=dtype, seed=block_m)
     hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant=variant)  # module loaded outside
@@ -742,6 +761,8 @@ BAD = [
     ({}, dict(variant=1), "variant"),
     (_cpu_case(t=9, k=4), dict(variant="decode"), "variant='decode' takes at most 32"),
     (_cpu_case(t=11, k=3), dict(variant="gemv"), "variant='gemv' takes at most 32"),
+    (_cpu_case(t=11, k=3), dict(variant="gemv_mma"), "variant='gemv_mma' takes at most 32"),
+    (_cpu_case(dtype=torch.float32), dict(variant="gemv_mma"), "variant='gemv_mma' takes float16 or bfloat16"),
     ({}, dict(variant="decode", block_m=128), "variant='decode' takes block_m up to 64"),
     ({}, dict(expert_map=torch.zeros(4, dtype=torch.int64)), "expert_map"),
     ({}, dict(expert_map=torch.zeros(4)), "expert_map"),

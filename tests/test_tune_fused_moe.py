@@ -55,6 +55,7 @@ def test_few_pairs_add_the_decode_and_gemv_variants(dtype, experts, tokens, few)
     assert by_variant["decode"] == ([b for b in sorted(block_ms_for(getattr(torch, dtype))) if b <= DECODE_MAX_BLOCK_M]
                                     if few else [])
     assert by_variant["gemv"] == ([8] if few else [])
+    assert by_variant["gemv_mma"] == ([8] if few and dtype != "float32" else [])  # matrix cores: 16-bit only
 
 
 def test_shipped_shape_list_plans_without_a_gpu(capsys):
@@ -107,9 +108,9 @@ def test_tuning_run_writes_checked_rows(tmp_path):
     rows = list(csv.DictReader(open(out, newline="")))
     assert len(rows) == 1 and rows[0]["variant"] in VARIANTS and int(rows[0]["block_m"]) in BLOCK_MS
     log = list(csv.DictReader(open(tmp_path / "fused_moe.candidates.csv", newline="")))
-    # 8 tokens x top-2: 16 pairs, so decode too at every block_m up to DECODE_MAX_BLOCK_M, and gemv
+    # 8 tokens x top-2: 16 pairs, so decode too at every block_m up to DECODE_MAX_BLOCK_M, gemv and gemv_mma
     decode = [b for b in BLOCK_MS if b <= DECODE_MAX_BLOCK_M]
-    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS) + len(decode) + 1
+    assert {r["status"] for r in log} == {"ok"} and len(log) == len(BLOCK_MS) + len(decode) + 2
     assert all(float(r["skewed_us"]) > 0 for r in log)  # every token to the same experts, timed too
     assert float(rows[0]["skewed_us"]) > 0
     assert sorted(int(r["block_m"]) for r in log if r["variant"] == "decode") == decode

@@ -11,6 +11,8 @@
 // Variant "decode" (decode.h): the same work, routing and combine included, in one launch.
 // Variant "gemv" (gemv.h): for a few pairs, matrix-vector products streaming the weights into
 // registers, the combine in the down kernel; two launches, no sorting.
+// Variant "gemv_mma" (gemv.h, fp16/bf16): "gemv" with the pairs of one expert computed together on
+// matrix cores in the gated launch, for routings that pile pairs onto experts.
 // gemm.h has the work plan and pipeline, math.h the arithmetic: matrix cores for fp16/bf16, FMAs
 // for fp32. One module per (dtype, block_m).
 #include <type_traits>
@@ -214,9 +216,10 @@ __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y
 // Variants: kGrouped, the chain moe_sorting (its own module, called first) -> [split rows] -> gated
 // GEMM -> down GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
 // kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; kGemv, two matrix-vector launches
-// (gemv.h) for at most kGemvPairs pairs, any block_m. kDecode and kGemv read no sorting output;
-// kGemv uses neither y nor the workspace (they may be null).
-enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2 };
+// (gemv.h) for at most kGemvPairs pairs, any block_m; kGemvMma, the same with the gated products on
+// matrix cores (16-bit types). kDecode and the gemv variants read no sorting output and use neither y
+// nor the workspace (they may be null).
+enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2, kGemvMma = 3 };
 
 // Bytes of hk_fused_moe's `inter` for this shape and variant (InterLayout).
 HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int inter_dim, int variant,
@@ -271,18 +274,19 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   HK_REQUIRE(num_experts >= 1 && num_local_experts >= 1);
   HK_REQUIRE(dim >= kVec && dim % kVec == 0 && inter_dim >= kVec && inter_dim % kVec == 0);
   HK_REQUIRE(activation == hk::fused_moe::kSilu || activation == hk::fused_moe::kGelu);
-  HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode) || variant == kGemv);
+  const bool gemv = variant == kGemv || (variant == kGemvMma && sizeof(T) == 2);
+  HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode) || gemv);
   const bool decode = variant == kDecode;
   HK_REQUIRE(decode ? (int64_t)num_tokens * topk <= hk::fused_moe::kDecodePairs
-             : variant == kGemv ? (int64_t)num_tokens * topk <= hk::fused_moe::kGemvPairs
+             : gemv ? (int64_t)num_tokens * topk <= hk::fused_moe::kGemvPairs
                                 : max_padded >= 0 && max_padded % BM == 0);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
   hipStream_t s = static_cast<hipStream_t>(stream);
-  if (variant == kGemv) {
+  if (gemv) {
     const hk::fused_moe::GemvArgs a{x,   w1,          w2,  topk_weights, topk_ids,    expert_map, inter,
                                     out, num_tokens, topk, num_experts,  dim,         inter_dim,  activation};
-    return hk::fused_moe::launch_gemv<T>(a, s);
+    return hk::fused_moe::launch_gemv<T>(a, variant == kGemvMma, s);
   }
   const int num_pairs = num_tokens * topk, max_mblocks = decode ? hk::fused_moe::kDecodePairs : max_padded / BM;
   constexpr int kCols1 = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCols;

@@ -19,9 +19,12 @@
 // Pairs that share an expert read its rows once each: the blocks doing so run side by side (pair
 // fastest in the grid), so the second read mostly hits L2. Dropped pairs (moe_pair_kept) cost a
 // block that exits at once and nothing in the down sum.
+// Variant "gemv_mma" (16-bit types) replaces the gated kernel with gemv_gated_mma_kernel (below): the
+// pairs of one expert in one block, on matrix cores; the down kernel is the same.
 #pragma once
 
 #include "gemm.h"  // activate()
+#include "hipkern/mma.h"
 #include "hipkern/moe.h"
 #include "hipkern/reduce.h"
 #include "hipkern/vec.h"
@@ -135,6 +138,117 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
   }
 }
 
+// Variant "gemv_mma" (16-bit types): the gated products on matrix cores. The grid is
+// gemv_gated_kernel's (a block per (row i, pair p), pair fastest), but the block of the first pair
+// routed to an expert computes every pair on that expert (kTileTokens at a pass) and the other pairs'
+// blocks exit, so under skewed routing an expert's rows are streamed once and an extra pair costs a few
+// matrix instructions, not a token row's conversions and FMAs on CUDA cores (what bounds gemv there:
+// NOTES.md, 2026-11-27 (8)). H100 (NOTES.md, 2026-11-27 (10)): skewed DeepSeek-like 4 tokens 64 -> 55
+// us; 1-4 uniform tokens 1.5-3 us slower (three blocks an SM at 80 registers, against gemv's four), so
+// the tuner chooses between the two per shape.
+// One product covers the block's two rows (gate i, up i) against kTileTokens pairs: the reduction is
+// cut into S = N / 2 segments, B's column n is (row n / S, segment n % S) and A's row m (pair m / S,
+// segment m % S). MmaTile's direct layout gives each lane operands of a single segment, so the entries
+// of C with equal segments, C[(t, s)][(r, s)] summed over s and over the block's waves, are row r's
+// product with pair t (the other entries mix segments and are dropped). Segment s is runs s, s + S,
+// s + 2S, ... of a row (a run: kDirectK reduction indices), so a wave's load covers S adjacent runs of
+// each row; contiguous quarter rows as segments left the kernel 20 % slower. A lane's weights are
+// 16-byte loads, a batch requested before the first is used; the token chunks are L1 hits after the
+// first block.
+template <typename T>
+struct GemvMmaCfg {
+  typedef MmaTile<T> MT;
+  static constexpr int kThreads = 256, kWaves = kThreads / kWaveSize;
+  static constexpr int kSegs = MT::N / 2;             // S: 4 on NVIDIA, 8 on CDNA
+  static constexpr int kTileTokens = MT::M / kSegs;   // pairs a product covers: 4 on NVIDIA, 2 on CDNA
+  static constexpr int kLoads = 8;  // runs of a lane's weights in flight (D = 7168 on NVIDIA: 7, one batch)
+  // 80 registers, no spills; bounded for 4 blocks (64) it spilled and was slower (NOTES.md).
+  static constexpr int kMinBlocks = 3;
+};
+
+template <typename T>
+__global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) void gemv_gated_mma_kernel(GemvArgs a) {
+  typedef GemvMmaCfg<T> C;
+  typedef typename C::MT MT;
+  constexpr int S = C::kSegs, TT = C::kTileTokens, kRun = MT::kDirectK, kR = MT::kDirectRows;
+  constexpr int kLoads = C::kLoads, kWaves = C::kWaves;
+  __shared__ int pair_s[kGemvPairs];              // the group's pairs, in pair order
+  __shared__ float tile_s[kWaves][MT::M][MT::N];  // each wave's product of a pass
+  griddep_launch_dependents();  // the down kernel may launch once every gated block has started
+  // Block b = i * pairs + p, split as in gemv_gated_kernel.
+  const int num_pairs = a.num_tokens * a.topk;
+  const int i = num_pairs == 1 ? (int)blockIdx.x : (int)__umulhi(blockIdx.x, a.inv_pairs);
+  const int p = (int)blockIdx.x - i * num_pairs;
+  const int lane = lane_id();
+  const int lane_e = lane < num_pairs ? gemv_local_expert(a, lane) : -1;  // pairs <= kGemvPairs <= a wave
+  const int le = shfl(lane_e, p);
+  const lanemask_t group = ballot(lane_e == le);  // the pairs on p's expert (le < 0: the block exits)
+  if (le < 0 || (group & (((lanemask_t)1 << p) - 1)) != 0) return;  // the whole block: no barrier is reached
+  const int np = popc(group);
+  if (threadIdx.x < kWaveSize && lane_e == le) pair_s[popc(group & lanemask_lt())] = lane;
+
+  const int D = a.dim, I = a.inter_dim;
+  const int runs = (D + S * kRun - 1) / (S * kRun);  // a segment's runs
+  const int wave = threadIdx.x / kWaveSize, col = MT::direct_col();
+  const T* w = static_cast<const T*>(a.w1) + ((int64_t)le * 2 * I + (int64_t)(col / S) * I + i) * D;
+  const int k_lane = col % S * kRun + MT::direct_k();  // + run * S * kRun: a 16-byte chunk, whole or past D
+  const T* x = static_cast<const T*>(a.x);
+  __syncthreads();  // pair_s
+  for (int pass = 0; pass < np; pass += TT) {
+    int tok[kR];  // the token of each A row's pair (-1: none)
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      const int slot = pass + MT::direct_row(j) / S;
+      tok[j] = slot < np ? pair_s[slot] / a.topk : -1;
+    }
+    typename MT::C c;
+#pragma unroll
+    for (int e = 0; e < MT::kC; ++e) c[e] = 0.f;
+    for (int u0 = wave; u0 < runs; u0 += kWaves * kLoads) {
+      uint4 wv[kLoads];
+#pragma unroll
+      for (int b = 0; b < kLoads; ++b) {
+        const int k = k_lane + (u0 + b * kWaves) * S * kRun;
+        wv[b] = u0 + b * kWaves < runs && k < D ? load_once16(w + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kLoads; ++b) {
+        if (u0 + b * kWaves >= runs) break;  // uniform over the wave: mma is a wave's instruction
+        const int k = k_lane + (u0 + b * kWaves) * S * kRun;
+        uint4 xv[kR];
+#pragma unroll
+        for (int j = 0; j < kR; ++j)
+          xv[j] = k < D && tok[j] >= 0 ? *reinterpret_cast<const uint4*>(x + (int64_t)tok[j] * D + k)
+                                       : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+          typename MT::A fa;
+          typename MT::B fb;
+          MT::a_direct(fa, xv, st);
+          MT::b_direct(fb, wv[b], st);
+          MT::mma(c, fa, fb);
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < MT::kC; ++e) tile_s[wave][MT::c_row(e)][MT::c_col(e)] = c[e];
+    __syncthreads();
+    if (wave < min(np - pass, TT)) {  // wave v sums pair pass + v over the waves and segments (fixed order)
+      float g = 0.f, u = 0.f;
+      for (int e = lane; e < kWaves * S; e += kWaveSize) {
+        const int v = e / S, s = e % S;
+        g += tile_s[v][wave * S + s][s];
+        u += tile_s[v][wave * S + s][S + s];
+      }
+      g = group_sum(g);
+      u = group_sum(u);
+      if (lane == 0)
+        static_cast<T*>(a.inter)[(int64_t)pair_s[pass + wave] * I + i] = from_float<T>(activate(g, a.activation) * u);
+    }
+    if (pass + TT < np) __syncthreads();  // tile_s is rewritten
+  }
+}
+
 template <typename T>
 __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks) void gemv_down_kernel(GemvArgs a) {
   typedef GemvCfg<T> C;
@@ -206,8 +320,9 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks
   if (lane == 0) static_cast<T*>(a.out)[(int64_t)t * a.dim + d] = from_float<T>(acc);
 }
 
+// mma: the gated products on matrix cores (gemv_gated_mma_kernel, 16-bit types only).
 template <typename T>
-int launch_gemv(const GemvArgs& a, hipStream_t stream) {
+int launch_gemv(const GemvArgs& a, bool mma, hipStream_t stream) {
   typedef GemvCfg<T> C;
   const int64_t pairs = (int64_t)a.num_tokens * a.topk;
   const int64_t gated = pairs * a.inter_dim, units = (int64_t)a.num_tokens * a.dim;
@@ -215,8 +330,16 @@ int launch_gemv(const GemvArgs& a, hipStream_t stream) {
   HK_REQUIRE(pairs >= 1 && pairs <= kGemvPairs && gated < (1ll << 27) && units / kWaves < (1ll << 30));
   GemvArgs g = a;
   g.inv_pairs = pairs > 1 ? (uint32_t)(((1ull << 32) + pairs - 1) / pairs) : 0u;  // unused for one pair
-  hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
-  HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
+  HK_REQUIRE(!mma || sizeof(T) == 2);
+  if (mma) {
+    if constexpr (sizeof(T) == 2) {
+      hipLaunchKernelGGL(gemv_gated_mma_kernel<T>, dim3((unsigned)gated), dim3(GemvMmaCfg<T>::kThreads), 0, stream, g);
+      HK_CHECK_LAUNCH("fused_moe gemv_gated_mma_kernel");
+    }
+  } else {
+    hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
+    HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
+  }
   HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)((units + kWaves - 1) / kWaves)),
                             dim3(C::kDownThreads), 0, stream, a));
   return 0;

@@ -12,8 +12,8 @@ from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
-__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "VARIANT", "VARIANTS",
-           "block_ms_for", "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m",
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "VARIANT",
+           "VARIANTS", "block_ms_for", "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m",
            "gemv_fits", "launch_choice"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
@@ -23,11 +23,16 @@ VARIANT = "grouped"  # moe_sorting, then the two grouped GEMMs and the combine: 
 # DECODE_MAX_PAIRS routed pairs (csrc_hip/fused_moe/decode.h).
 # "gemv": matrix-vector products streaming the weights into registers, for at most GEMV_MAX_PAIRS
 # routed pairs; two launches, no sorting; block_m only names the module (csrc_hip/fused_moe/gemv.h).
-VARIANTS = (VARIANT, "decode", "gemv")
+# "gemv_mma" (float16 / bfloat16): "gemv" with each expert's pairs computed together on matrix cores in
+# the gated launch: under routings that pile pairs onto experts (H100: DeepSeek-like 4 tokens all on
+# the same 8 experts, 64 -> 55 us), 1.5-3 us slower than "gemv" under uniform routing; the tuner
+# chooses between them per shape.
+VARIANTS = (VARIANT, "decode", "gemv", "gemv_mma")
+GEMV_VARIANTS = ("gemv", "gemv_mma")
 DECODE_MAX_PAIRS = 32
 DECODE_MAX_BLOCK_M = 64
 GEMV_MAX_PAIRS = 32
-_VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2}
+_VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2, "gemv_mma": 3}
 
 # Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
 # expert count (expert_map's length when given). skewed_us: the same call with every token routed to
@@ -94,7 +99,7 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
         return choose_variant(num_tokens, topk, dtype, bm, num_experts), bm
     if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
         return VARIANT, bm
-    if choice.variant == "gemv" and not gemv_fits(num_tokens, topk):
+    if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):
         return VARIANT, bm
     return choice.variant, bm
 
@@ -173,9 +178,12 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
                              f"{num_tokens} x {topk}; use variant='grouped' or None")
         if variant == "decode" and block_m is not None and block_m > DECODE_MAX_BLOCK_M:
             raise ValueError(f"variant='decode' takes block_m up to {DECODE_MAX_BLOCK_M}, got {block_m}")
-        if variant == "gemv" and not gemv_fits(num_tokens, topk):
-            raise ValueError(f"variant='gemv' takes at most {GEMV_MAX_PAIRS} routed pairs (tokens x topk), got "
+        if variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):
+            raise ValueError(f"variant={variant!r} takes at most {GEMV_MAX_PAIRS} routed pairs (tokens x topk), got "
                              f"{num_tokens} x {topk}; use variant='grouped' or None")
+        if variant == "gemv_mma" and dtype == torch.float32:
+            raise ValueError("variant='gemv_mma' takes float16 or bfloat16 (matrix cores), got float32; use "
+                             "variant='gemv' or None")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), gpu=False)
         num_experts = expert_map.shape[0]
@@ -263,7 +271,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     if rc:
         mod.check(rc, "fused_moe inter_bytes")
     ws = torch.empty((nbytes.value,), dtype=torch.uint8, device=hidden_states.device)
-    if variant == "gemv":  # sums in registers: no y, no split-K workspace
+    if variant in GEMV_VARIANTS:  # sums in registers: no y, no split-K workspace
         y = partials = counters = None
     else:
         y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
@@ -340,8 +348,9 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         variant: "grouped" (moe_sorting, two grouped GEMMs, a combine), "decode" (the same in one
             launch; at most DECODE_MAX_PAIRS routed pairs), "gemv" (two matrix-vector launches that
             stream the weights into registers; at most GEMV_MAX_PAIRS routed pairs; block_m does not
-            change it) or None: with block_m=None the tuning database's choice (choose_config), else
-            choose_variant's.
+            change it), "gemv_mma" (the same with each expert's pairs computed together on matrix
+            cores; float16 / bfloat16) or None: with block_m=None the tuning database's choice
+            (choose_config), else choose_variant's.
 
     Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
     before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),

@@ -1,9 +1,9 @@
 """The tuner's adapter for fused_moe (hipkern/ops/fused_moe.py): variant and block_m per shape.
 
 Candidates: every block_m the dtype offers (block_ms_for), each as "grouped" and, where it fits
-(decode_fits: few routed pairs), as "decode"; "gemv" once where it fits (gemv_fits; block_m 8, which
-it ignores); the heuristic default (default_block_m with choose_variant's variant, what the op runs
-without a row) first. Inputs: one set of expert weights
+(decode_fits: few routed pairs), as "decode"; "gemv" (and for 16-bit types "gemv_mma") once where it
+fits (gemv_fits; block_m 8, which they ignore); the heuristic default (default_block_m with
+choose_variant's variant, what the op runs without a row) first. Inputs: one set of expert weights
 per (dtype, model_dim, inter_dim, num_experts), reused by that group's token counts (largest
 first); uniform routing (distinct random experts per token, as a router gives), random positive
 weights normalised per row. The weights are no argument of the timed
@@ -89,6 +89,8 @@ class FusedMoeTuner:
                 for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b)]
         if gemv_fits(s["tokens"], s["topk"]):
             rest.append(Candidate.of("gemv", block_m=8))
+            if s["dtype"] != "float32":  # the gated products on matrix cores
+                rest.append(Candidate.of("gemv_mma", block_m=8))
         return Pruned([first] + [c for c in rest if c != first])
 
     @staticmethod

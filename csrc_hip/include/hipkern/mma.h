@@ -18,6 +18,11 @@
 //   a_from_c(a, c, tmp)    the A operand [M x 16] made of the accumulator tiles c[0 .. 16 / N),
 //                          rounded to T (flash attention's P); tmp: M x K elements of this wave's
 //                          shared memory, used where the layouts differ (CDNA), unused on NVIDIA.
+//   Operands straight from 16-byte loads (no shared-memory staging), the reduction order permuted:
+//   over each run of kDirectK = 32 reduction indices the lane's A loads r < kDirectRows hold row
+//   direct_row(r) and its B load column direct_col(), all at indices direct_k() .. direct_k() + 7;
+//   a_direct / b_direct(x, v, s) give step s (0 or 1) of the run's two 16-deep products. A and B
+//   see the same permutation, so C is the plain product (a sum's terms taken in another order).
 //
 // Shared-memory rows handed to the loads must be 16-byte aligned (ld a multiple of 8 elements).
 // On NVIDIA, a row stride of (a multiple of 128 bytes) + 16 bytes keeps ldmatrix free of bank
@@ -119,6 +124,22 @@ struct MmaTile {
                  : "memory");
   }
   static HK_DEVICE void mma(C& c, const A& a, const B& b) { mma_ptx<T>::run(c, a.r, b.r); }
+  // Step s takes elements 4s .. 4s + 3 of each load: logical k 2t, 2t + 1 <- 4s, 4s + 1 and
+  // 2t + 8, 2t + 9 <- 4s + 2, 4s + 3 (t = lane % 4 owns indices 8t .. 8t + 7 of the run).
+  static constexpr int kDirectK = 32, kDirectRows = 2;
+  static HK_DEVICE int direct_row(int r) { return lane_id() / 4 + 8 * r; }
+  static HK_DEVICE int direct_col() { return lane_id() / 4; }
+  static HK_DEVICE int direct_k() { return 8 * (lane_id() % 4); }
+  static HK_DEVICE void a_direct(A& a, const uint4 (&v)[kDirectRows], int s) {
+    a.r[0] = s ? v[0].z : v[0].x;
+    a.r[1] = s ? v[1].z : v[1].x;
+    a.r[2] = s ? v[0].w : v[0].y;
+    a.r[3] = s ? v[1].w : v[1].y;
+  }
+  static HK_DEVICE void b_direct(B& b, const uint4& v, int s) {
+    b.r[0] = s ? v.z : v.x;
+    b.r[1] = s ? v.w : v.y;
+  }
   static HK_DEVICE void a_from_c(A& a, const C* c, T* /*tmp*/) {  // C tiles of columns 0-7 and 8-15
     a.r[0] = pack2(c[0][0], c[0][1], T());
     a.r[1] = pack2(c[0][2], c[0][3], T());
@@ -198,6 +219,18 @@ struct MmaTile {
     const int l = lane_id();
 #pragma unroll
     for (int i = 0; i < 4; ++i) b.e[i] = s[(4 * (l / 16) + i) * ld + l % 16];
+  }
+  // Lane l owns row / column l % 16 at indices 8(l / 16) .. + 7 of a run; step s takes 4s .. 4s + 3
+  // as the product's k 4(l / 16) .. + 3.
+  static constexpr int kDirectK = 32, kDirectRows = 1;
+  static HK_DEVICE int direct_row(int) { return lane_id() % 16; }
+  static HK_DEVICE int direct_col() { return lane_id() % 16; }
+  static HK_DEVICE int direct_k() { return 8 * (lane_id() / 16); }
+  static HK_DEVICE void a_direct(A& a, const uint4 (&v)[kDirectRows], int s) { half_of(a.e, v[0], s); }
+  static HK_DEVICE void b_direct(B& b, const uint4& v, int s) { half_of(b.e, v, s); }
+  static HK_DEVICE void half_of(T (&e)[4], const uint4& v, int s) {
+    const uint2 h = s ? make_uint2(v.z, v.w) : make_uint2(v.x, v.y);
+    __builtin_memcpy(&e[0], &h, 8);
   }
   static HK_DEVICE void mma(C& c, const A& a, const B& b) {
     v4f32_t acc = {c[0], c[1], c[2], c[3]};
