@@ -154,6 +154,24 @@ def gemv_variants(dtype) -> tuple:
     return ("gemv",) if dtype == torch.float32 else ("gemv", "gemv_mma")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_mma_groups_pairs_by_local_expert(dtype):
+    """gemv_mma computes the pairs of one local expert in one block: two global ids that expert_map
+    sends to the same local expert form one group (7 pairs, two of them of one token: a partial second
+    pass on NVIDIA, four passes on CDNA), beside groups of 1 and 2 pairs and remote pairs, under silu
+    and gelu."""
+    e_local, d, i = 4, 200, 72
+    w1, w2 = make_weights(e_local, d, i, dtype, seed=7)
+    emap = torch.tensor([-1, 2, -1, 0, 2, 1, 3, -1], dtype=torch.int32, device="cuda")  # 1 and 4 -> local 2
+    ids = torch.tensor([[1, 4, 3], [4, 0, 1], [1, 5, 6], [4, 5, 3], [7, 4, 2]], dtype=torch.int32, device="cuda")
+    x, w = make_tokens(5, d, dtype, 5), routing_weights(5, 3, 5)
+    for activation in ("silu", "gelu"):
+        res = run_and_check(x, w1, w2, w, ids, activation=activation, expert_map=emap, variant="gemv_mma")
+        gemv = hipkern.fused_moe(x, w1, w2, w, ids, activation=activation, expert_map=emap, variant="gemv")
+        assert checkAllclose(res, gemv, msg=f"gemv_mma vs gemv, {activation} ", **TOL[dtype]) == 0
+
+
 LARGE = [pytest.param(7168, 256, 256, 8, id="7168x256-E256-top8"),
          pytest.param(4096, 14336, 8, 2, id="4096x14336-E8-top2"),
          pytest.param(2880, 2880, 32, 4, id="2880x2880-E32-top4")]
@@ -491,7 +509,8 @@ def test_few_pair_variants_under_graph_capture(variant):
 def test_gemv_variant(dtype, variant):
     """The matrix-vector variants (a block per gated row and pair, or for gemv_mma per row and expert
     with all its pairs; a wave per output element summing its token's slots): the few-pair cases of
-    the decode test (for gemv_mma: 32 pairs on one expert, 8 passes of its 4-pair products), then the
+    the decode test (for gemv_mma: 32 pairs on one expert, 8 passes of 4 pairs on NVIDIA, 16 of 2 on
+    CDNA), then the
     edges of their loops: model dims whose chunks do not fill the block's threads (200, 8 / 4 chunks
     of 16 bytes short of one per thread; for gemv_mma segments of one partial run) or need a second
     pass / load batch (8704), inter dims shorter than a wave (72) or spanning several load batches
@@ -524,7 +543,7 @@ def test_gemv_variant(dtype, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,i,e,k", LARGE)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gemv_variant_large_shapes(dtype, d, i, e, k):
     w1, w2 = make_weights(e, d, i, dtype, seed=d)
     for t in (1, 32 // k):

@@ -144,8 +144,8 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
 // blocks exit, so under skewed routing an expert's rows are streamed once and an extra pair costs a few
 // matrix instructions, not a token row's conversions and FMAs on CUDA cores (what bounds gemv there:
 // NOTES.md, 2026-11-27 (8)). H100 (NOTES.md, 2026-11-27 (10)): skewed DeepSeek-like 4 tokens 64 -> 55
-// us; 1-4 uniform tokens 1.5-3 us slower (three blocks an SM at 80 registers, against gemv's four), so
-// the tuner chooses between the two per shape.
+// us; under uniform routing slower (DeepSeek-like 1-4 tokens by 1.5-3 us, Mixtral 8x7B 1 token by 7-9 %;
+// three blocks an SM at 80 registers, against gemv's four), so the tuner chooses per shape.
 // One product covers the block's two rows (gate i, up i) against kTileTokens pairs: the reduction is
 // cut into S = N / 2 segments, B's column n is (row n / S, segment n % S) and A's row m (pair m / S,
 // segment m % S). MmaTile's direct layout gives each lane operands of a single segment, so the entries
