@@ -73,6 +73,19 @@ HK_DEVICE int gemv_local_expert(const GemvArgs& a, int pair) {
   return a.expert_map != nullptr ? a.expert_map[e] : e;
 }
 
+// The gated kernels' block b = i * pairs + p (pair fastest): row i of I and pair p. b / pairs as a
+// multiply-high by inv_pairs = ceil(2^32 / pairs) (exact for b < 2^27 and 2 <= pairs <= 32: the
+// launcher's bounds), ~20 instructions less than a division; one pair (inv_pairs would be 2^32) is b
+// itself.
+struct GemvRowPair {
+  int i, p;
+};
+HK_DEVICE GemvRowPair gemv_row_pair(const GemvArgs& a) {
+  const int num_pairs = a.num_tokens * a.topk;
+  const int i = num_pairs == 1 ? (int)blockIdx.x : (int)__umulhi(blockIdx.x, a.inv_pairs);
+  return {i, (int)blockIdx.x - i * num_pairs};
+}
+
 template <typename T>
 __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBlocks) void gemv_gated_kernel(GemvArgs a) {
   typedef GemvCfg<T> C;
@@ -80,12 +93,8 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
   constexpr int kWaves = kThreads / kWaveSize;
   __shared__ float part[kWaves][2];
   griddep_launch_dependents();  // the down kernel may launch once every gated block has started
-  // Block b = i * pairs + p (pair fastest). b / pairs as a multiply-high by inv_pairs = ceil(2^32 /
-  // pairs) (exact for b < 2^27 and 2 <= pairs <= 32: the launcher's bounds), ~20 instructions less
-  // than a division; one pair (inv_pairs would be 2^32) is b itself.
-  const int num_pairs = a.num_tokens * a.topk;
-  const int i = num_pairs == 1 ? (int)blockIdx.x : (int)__umulhi(blockIdx.x, a.inv_pairs);
-  const int p = (int)blockIdx.x - i * num_pairs;
+  const GemvRowPair rp = gemv_row_pair(a);
+  const int i = rp.i, p = rp.p;
   const int le = gemv_local_expert(a, p);
   if (le < 0) return;  // the whole block: no barrier is reached
   const int D = a.dim, nch = D / kVec;
@@ -175,10 +184,8 @@ __global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) 
   __shared__ int pair_s[kGemvPairs];              // the group's pairs, in pair order
   __shared__ float tile_s[kWaves][MT::M][MT::N];  // each wave's product of a pass
   griddep_launch_dependents();  // the down kernel may launch once every gated block has started
-  // Block b = i * pairs + p, split as in gemv_gated_kernel.
-  const int num_pairs = a.num_tokens * a.topk;
-  const int i = num_pairs == 1 ? (int)blockIdx.x : (int)__umulhi(blockIdx.x, a.inv_pairs);
-  const int p = (int)blockIdx.x - i * num_pairs;
+  const GemvRowPair rp = gemv_row_pair(a);
+  const int i = rp.i, p = rp.p, num_pairs = a.num_tokens * a.topk;
   const int lane = lane_id();
   const int lane_e = lane < num_pairs ? gemv_local_expert(a, lane) : -1;  // pairs <= kGemvPairs <= a wave
   const int le = shfl(lane_e, p);
