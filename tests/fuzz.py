@@ -173,7 +173,7 @@ def draw_moe(rng):
             break
     else:
         d, i = 64, 64
-    gemv = ["gemv"] + ["gemv_mma"] * (dtype != "float32")
+    gemv = list(M.gemv_variants(DT[dtype]))
     variant = rng.choice([None, M.VARIANT] + ["decode"] * (t * k <= M.DECODE_MAX_PAIRS) + gemv * M.gemv_fits(t, k))
     bms = [b for b in M.block_ms_for(DT[dtype]) if variant != "decode" or b <= M.DECODE_MAX_BLOCK_M]
     return dict(dtype=dtype, tokens=t, model_dim=d, inter_dim=i, experts=e, topk=k, routing=rng.choice(ROUTINGS),

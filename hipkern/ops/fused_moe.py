@@ -14,7 +14,7 @@ from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, mo
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "VARIANT",
            "VARIANTS", "block_ms_for", "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m",
-           "gemv_fits", "launch_choice"]
+           "gemv_fits", "gemv_variants", "launch_choice"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
@@ -77,6 +77,11 @@ def _sm_count(device_index: int) -> int:
 def decode_fits(num_tokens: int, topk: int, block_m: int) -> bool:
     """Whether the decode variant can run this call: at most DECODE_MAX_PAIRS routed pairs, block_m <= DECODE_MAX_BLOCK_M."""
     return num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
+
+
+def gemv_variants(dtype) -> tuple:
+    """The gemv variants a dtype runs: "gemv_mma" needs matrix cores, so float16 / bfloat16 only."""
+    return GEMV_VARIANTS if dtype != torch.float32 else ("gemv",)
 
 
 def gemv_fits(num_tokens: int, topk: int) -> bool:
@@ -181,8 +186,8 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
         if variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):
             raise ValueError(f"variant={variant!r} takes at most {GEMV_MAX_PAIRS} routed pairs (tokens x topk), got "
                              f"{num_tokens} x {topk}; use variant='grouped' or None")
-        if variant == "gemv_mma" and dtype == torch.float32:
-            raise ValueError("variant='gemv_mma' takes float16 or bfloat16 (matrix cores), got float32; use "
+        if variant in GEMV_VARIANTS and variant not in gemv_variants(dtype):
+            raise ValueError(f"variant={variant!r} takes float16 or bfloat16 (matrix cores), got float32; use "
                              "variant='gemv' or None")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), gpu=False)

@@ -27,7 +27,7 @@ import torch
 
 from .. import tuning_db
 from ..ops.fused_moe import (VARIANT, block_ms_for, choose_variant, decode_fits, default_block_m, fused_moe,
-                              gemv_fits)
+                              gemv_fits, gemv_variants)
 from ..ops.moe_sorting import MAX_EXPERTS
 from ..reference import fused_moe_ref
 from .core import Candidate, Pruned, arch_info, gpu_info, perftest_us
@@ -88,9 +88,7 @@ class FusedMoeTuner:
         rest = [Candidate.of(v, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])
                 for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b)]
         if gemv_fits(s["tokens"], s["topk"]):
-            rest.append(Candidate.of("gemv", block_m=8))
-            if s["dtype"] != "float32":  # the gated products on matrix cores
-                rest.append(Candidate.of("gemv_mma", block_m=8))
+            rest += [Candidate.of(v, block_m=8) for v in gemv_variants(DTYPES[s["dtype"]])]
         return Pruned([first] + [c for c in rest if c != first])
 
     @staticmethod
