@@ -509,8 +509,9 @@ def test_few_pair_variants_under_graph_capture(variant):
 def test_gemv_variant(dtype, variant):
     """The matrix-vector variants (a block per gated row and pair, or for gemv_mma per row and expert
     with all its pairs; a wave per output element summing its token's slots): the few-pair cases of
-    the decode test (for gemv_mma: 32 pairs on one expert, 8 passes of 4 pairs on NVIDIA, 16 of 2 on
-    CDNA), then the
+    the decode test (for gemv_mma: 32 pairs on one expert, 8 gated passes of 4 pairs on NVIDIA, 16 of 2
+    on CDNA, and 4 down passes of 8, 2 of 16; one pair, a down pass cut into a slice per wave; no kept
+    pair), then the
     edges of their loops: model dims whose chunks do not fill the block's threads (200, 8 / 4 chunks
     of 16 bytes short of one per thread; for gemv_mma segments of one partial run) or need a second
     pass / load batch (8704), inter dims shorter than a wave (72) or spanning several load batches

@@ -19,8 +19,9 @@
 // Pairs that share an expert read its rows once each: the blocks doing so run side by side (pair
 // fastest in the grid), so the second read mostly hits L2. Dropped pairs (moe_pair_kept) cost a
 // block that exits at once and nothing in the down sum.
-// Variant "gemv_mma" (16-bit types) replaces the gated kernel with gemv_gated_mma_kernel (below): the
-// pairs of one expert in one block, on matrix cores; the down kernel is the same.
+// Variant "gemv_mma" (16-bit types) runs both phases on matrix cores with the pairs of one expert
+// together, so an expert's rows are streamed once however many pairs it serves: gemv_gated_mma_kernel
+// and gemv_down_mma_kernel (below).
 #pragma once
 
 #include "gemm.h"  // activate()
@@ -86,17 +87,14 @@ HK_DEVICE GemvRowPair gemv_row_pair(const GemvArgs& a) {
   return {i, (int)blockIdx.x - i * num_pairs};
 }
 
+// Row i of pair p (on local expert le) on CUDA cores / vector ALUs, by a whole block of kGatedThreads:
+// gemv_gated_kernel's block, and gemv_gated_mma_kernel's for a pair alone on its expert.
 template <typename T>
-__global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBlocks) void gemv_gated_kernel(GemvArgs a) {
+HK_DEVICE void gemv_gated_row(const GemvArgs& a, int i, int p, int le) {
   typedef GemvCfg<T> C;
   constexpr int kThreads = C::kGatedThreads, kLoads = C::kGatedLoads, kVec = C::kVec;
   constexpr int kWaves = kThreads / kWaveSize;
   __shared__ float part[kWaves][2];
-  griddep_launch_dependents();  // the down kernel may launch once every gated block has started
-  const GemvRowPair rp = gemv_row_pair(a);
-  const int i = rp.i, p = rp.p;
-  const int le = gemv_local_expert(a, p);
-  if (le < 0) return;  // the whole block: no barrier is reached
   const int D = a.dim, nch = D / kVec;
   const T* gate = static_cast<const T*>(a.w1) + ((int64_t)le * 2 * a.inter_dim + i) * D;
   const T* up = gate + (int64_t)a.inter_dim * D;
@@ -147,14 +145,24 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
   }
 }
 
+template <typename T>
+__global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBlocks) void gemv_gated_kernel(GemvArgs a) {
+  griddep_launch_dependents();  // the down kernel may launch once every gated block has started
+  const GemvRowPair rp = gemv_row_pair(a);
+  const int le = gemv_local_expert(a, rp.p);
+  if (le < 0) return;  // the whole block: no barrier is reached
+  gemv_gated_row<T>(a, rp.i, rp.p, le);
+}
+
 // Variant "gemv_mma" (16-bit types): the gated products on matrix cores. The grid is
 // gemv_gated_kernel's (a block per (row i, pair p), pair fastest), but the block of the first pair
 // routed to an expert computes every pair on that expert (kTileTokens at a pass) and the other pairs'
-// blocks exit, so under skewed routing an expert's rows are streamed once and an extra pair costs a few
-// matrix instructions, not a token row's conversions and FMAs on CUDA cores (what bounds gemv there:
-// NOTES.md, 2026-11-27 (8)). H100 (NOTES.md, 2026-11-27 (10)): skewed DeepSeek-like 4 tokens 64 -> 55
-// us; under uniform routing slower (DeepSeek-like 1-4 tokens by 1.5-3 us, Mixtral 8x7B 1 token by 7-9 %;
-// three blocks an SM at 80 registers, against gemv's four), so the tuner chooses per shape.
+// blocks exit; a pair alone on its expert runs gemv_gated_kernel's row instead. So under skewed
+// routing an expert's rows are streamed once and an extra pair costs a few matrix instructions, not a
+// token row's conversions and FMAs on CUDA cores (what bounds gemv there: NOTES.md, 2026-11-27 (8)).
+// H100 (NOTES.md, 2026-11-27 (10) and (12)), with gemv_down_mma_kernel after it: skewed DeepSeek-like 4
+// tokens 64 -> 42 us against gemv; under uniform routing slower (DeepSeek-like 1-4 tokens by 2-4 us,
+// Mixtral 8x7B 1 token by 4.5 %), so the tuner chooses per shape.
 // One product covers the block's two rows (gate i, up i) against kTileTokens pairs: the reduction is
 // cut into S = N / 2 segments, B's column n is (row n / S, segment n % S) and A's row m (pair m / S,
 // segment m % S). MmaTile's direct layout gives each lane operands of a single segment, so the entries
@@ -166,6 +174,7 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
 // first block.
 template <typename T>
 struct GemvMmaCfg {
+  static_assert(GemvCfg<T>::kGatedThreads == 256, "a lone pair's block runs gemv_gated_row");
   typedef MmaTile<T> MT;
   static constexpr int kThreads = 256, kWaves = kThreads / kWaveSize;
   static constexpr int kSegs = MT::N / 2;             // S: 4 on NVIDIA, 8 on CDNA
@@ -192,6 +201,10 @@ __global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) 
   const lanemask_t group = ballot(lane_e == le);  // the pairs on p's expert (le < 0: the block exits)
   if (le < 0 || (group & (((lanemask_t)1 << p) - 1)) != 0) return;  // the whole block: no barrier is reached
   const int np = popc(group);
+  if (np == 1) {  // alone on its expert: nothing to share, so gemv's CUDA-core row (faster there)
+    gemv_gated_row<T>(a, i, p, le);
+    return;
+  }
   if (threadIdx.x < kWaveSize && lane_e == le) pair_s[popc(group & lanemask_lt())] = lane;
 
   const int D = a.dim, I = a.inter_dim;
@@ -327,7 +340,174 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kDownThreads, GemvCfg<T>::kDownMinBlocks
   if (lane == 0) static_cast<T*>(a.out)[(int64_t)t * a.dim + d] = from_float<T>(acc);
 }
 
-// mma: the gated products on matrix cores (gemv_gated_mma_kernel, 16-bit types only).
+// The down products on matrix cores (16-bit types): gemv_down_mma_kernel. A block computes kCols
+// output columns d for every token: each pass is one expert's w2 rows d0 .. d0 + kCols - 1 (B, straight
+// from 16-byte loads in MmaTile's direct layout) against up to kPass of that expert's pairs (A: their
+// intermediate rows, L2 hits), so an expert's rows are read once however many pairs it serves, and a
+// pass of one pair costs the same loads as gemv_down_kernel's wave. When there are fewer passes than
+// waves, each pass is cut into `slices` interleaved sets of runs along I, so every wave streams.
+// Each (pair, column) product lands in shared memory (a pass's slices summed there in slice order);
+// the block then sums each token's kept slots in slot order (the combine, deterministic).
+template <typename T>
+struct GemvDownMmaCfg {
+  typedef MmaTile<T> MT;
+  static constexpr int kThreads = 256, kWaves = kThreads / kWaveSize;
+  static constexpr int kCols = MT::N;  // output columns a block computes: w2 rows as B's columns
+  // A's rows a lane loads: on NVIDIA only the first of its two (rows 0-7), so a pass covers 8 pairs and
+  // the other row's operands are constant zeros (no registers; 16 rows cost 8 bytes of spills).
+  static constexpr int kARows = MT::kDirectRows == 2 ? 1 : MT::kDirectRows;
+  static constexpr int kPass = MT::M / MT::kDirectRows * kARows;  // pairs a pass covers
+  // Runs of a lane's w2 row in flight, and the register bound: 4 runs at 4 blocks an SM (64 registers,
+  // no spills); 8 runs at 2 blocks (108 registers) was 4 us slower at skewed 4 tokens and 2.5 us at one
+  // token (H100, NOTES.md, 2026-11-27 (12)). Skewed DeepSeek-like 4 tokens: 29.6 -> 16.1 us of kernel
+  // against gemv_down_kernel.
+  static constexpr int kLoads = 4;
+  static constexpr int kMinBlocks = 4;
+};
+
+// The passes of gemv_down_mma_kernel, built by one wave in parallel over its lanes (lane p: pair p's
+// local expert pe, -1 when p is dropped or not a pair): the pairs on one expert in pair order, kPass at
+// a time, the experts in the order of their first pairs. Pass s's expert goes to pass_e[s] and its r-th
+// pair to pass_p[s][r] (-1 past the pass's pairs). A lane finds the lanes on its expert (match_any) and
+// its rank among them; a group's first lane counts its passes, and their prefix over the lanes places
+// each group. Returns the number of passes (<= kGemvPairs).
+template <int kPass>
+HK_DEVICE int gemv_down_passes(int pe, int* pass_e, int8_t (*pass_p)[kPass]) {
+  const int lane = lane_id();
+  const uint32_t key = (uint32_t)(pe + 1);  // 0: dropped, or no pair
+  const lanemask_t group = match_any(key, 32 - __clz((int)group_max_u32(key)));
+  const int rank = popc(group & lanemask_lt());
+  const int lead = pe >= 0 && rank == 0 ? (popc(group) + kPass - 1) / kPass : 0;
+  const int incl = group_inclusive_sum(lead);
+  const int npass = shfl(incl, kWaveSize - 1);
+  const int s = shfl(incl - lead, lowest_lane(group)) + rank / kPass;
+  for (int j = lane; j < npass * kPass; j += kWaveSize) pass_p[j / kPass][j % kPass] = -1;
+  wave_sync();
+  if (pe >= 0) {
+    pass_p[s][rank % kPass] = (int8_t)lane;
+    if (rank % kPass == 0) pass_e[s] = pe;
+  }
+  return npass;
+}
+
+template <typename T>
+__global__ HK_LAUNCH_BOUNDS(GemvDownMmaCfg<T>::kThreads, GemvDownMmaCfg<T>::kMinBlocks) void gemv_down_mma_kernel(GemvArgs a) {
+  typedef GemvDownMmaCfg<T> C;
+  typedef typename C::MT MT;
+  constexpr int kRun = MT::kDirectK, kR = MT::kDirectRows, kLoads = C::kLoads, kWaves = C::kWaves;
+  constexpr int kCols = C::kCols, kPass = C::kPass, kAR = C::kARows;
+  __shared__ int pass_e_s[kGemvPairs];
+  __shared__ int8_t pass_p_s[kGemvPairs][kPass];
+  __shared__ float w_s[kGemvPairs];  // a kept pair's routing weight
+  __shared__ uint32_t kept_s;        // bit p: pair p is kept
+  __shared__ int npass_s;
+  // (pair, column) products, 1 KB on NVIDIA: little enough that the blocks fit beside the gated kernel's
+  // last blocks on an SM (with a slice of the products each, 8 KB, one token took ~0.9 us longer).
+  __shared__ float part_s[kGemvPairs][kCols];
+  const int num_pairs = a.num_tokens * a.topk, wave = (int)threadIdx.x / kWaveSize, lane = lane_id();
+  // Wave 0's lane p: pair p's routing weight, requested with its expert id and stored at the end, so
+  // that the weights' round trip is not on the way to the first w2 loads.
+  const float pw = wave == 0 && lane < num_pairs ? a.topk_weights[lane] : 0.f;
+  if (wave == 0) {  // the passes depend on the routing only: built before the gated kernel ends
+    const int pe = lane < num_pairs ? gemv_local_expert(a, lane) : -1;
+    const int n = gemv_down_passes<kPass>(pe, pass_e_s, pass_p_s);
+    const uint32_t kept = (uint32_t)ballot(pe >= 0);  // pairs <= kGemvPairs = 32
+    if (lane == 0) {
+      npass_s = n;
+      kept_s = kept;
+    }
+  }
+  __syncthreads();
+  const int npass = npass_s, I = a.inter_dim, D = a.dim;
+  const int slices = npass > 0 && npass < kWaves ? kWaves / npass : 1, units = npass * slices;
+  const int runs = (I + kRun - 1) / kRun, d0 = (int)blockIdx.x * kCols, d = d0 + MT::direct_col();
+  const int k_lane = MT::direct_k();  // + run * kRun: a 16-byte chunk, whole or past I
+  const T* inter = static_cast<const T*>(a.inter);
+  bool waited = false;
+  // With slices (npass <= kWaves / 2) a wave has one unit at most: its products wait in cs and join
+  // part_s in slice order, a round each.
+  float cs[MT::kC];
+  int unit_s = -1, unit_sl = 0;
+  for (int u = wave; u < units; u += kWaves) {  // uniform over the wave
+    const int s = u / slices, sl = u % slices;
+    const T* w = static_cast<const T*>(a.w2) + ((int64_t)pass_e_s[s] * D + d) * I;
+    int pr[kR];  // the pair of each of the lane's A rows (-1: none)
+#pragma unroll
+    for (int r = 0; r < kR; ++r) pr[r] = r < kAR ? pass_p_s[s][MT::direct_row(r)] : -1;
+    typename MT::C c[2];  // a run's two steps on two accumulators: two chains of products, not one
+#pragma unroll
+    for (int e = 0; e < MT::kC; ++e) c[0][e] = c[1][e] = 0.f;
+    for (int q0 = sl; q0 < runs; q0 += slices * kLoads) {
+      uint4 wv[kLoads];
+#pragma unroll
+      for (int b = 0; b < kLoads; ++b) {
+        const int run = q0 + b * slices, k = run * kRun + k_lane;
+        wv[b] = run < runs && k < I && d < D ? load_once16(w + k) : make_uint4(0, 0, 0, 0);
+      }
+      if (!waited) {
+        griddep_wait();  // inter is the gated kernel's output
+        waited = true;
+      }
+      uint4 xv[kLoads][kR];  // the batch's intermediate chunks requested together: one L2 round trip
+#pragma unroll
+      for (int b = 0; b < kLoads; ++b) {
+        const int run = q0 + b * slices, k = run * kRun + k_lane;
+#pragma unroll
+        for (int r = 0; r < kR; ++r)
+          xv[b][r] = r < kAR && run < runs && k < I && pr[r] >= 0 ? *reinterpret_cast<const uint4*>(inter + pr[r] * I + k)
+                                                        : make_uint4(0, 0, 0, 0);  // < T k I < 2^31
+      }
+#pragma unroll
+      for (int b = 0; b < kLoads; ++b) {
+        if (q0 + b * slices >= runs) break;  // uniform over the wave: mma is a wave's instruction
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+          typename MT::A fa;
+          typename MT::B fb;
+          MT::a_direct(fa, xv[b], st);
+          MT::b_direct(fb, wv[b], st);
+          MT::mma(c[st], fa, fb);
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < MT::kC; ++e) {
+      cs[e] = c[0][e] + c[1][e];
+      const int p = MT::c_row(e) < kPass ? pass_p_s[s][MT::c_row(e)] : -1;
+      if (slices == 1 && p >= 0) part_s[p][MT::c_col(e)] = cs[e];  // each pair in one pass
+    }
+    unit_s = s;
+    unit_sl = sl;
+  }
+  if (wave == 0 && lane < num_pairs) w_s[lane] = pw;  // read for kept pairs only
+  griddep_wait();  // no output is written before the gated kernel is done with its inputs (out may be x)
+  __syncthreads();
+  for (int round = 0; slices > 1 && round < slices; ++round) {  // uniform over the block
+    if (unit_s >= 0 && unit_sl == round) {
+#pragma unroll
+      for (int e = 0; e < MT::kC; ++e) {
+        const int p = MT::c_row(e) < kPass ? pass_p_s[unit_s][MT::c_row(e)] : -1;
+        if (p >= 0) part_s[p][MT::c_col(e)] = round == 0 ? cs[e] : part_s[p][MT::c_col(e)] + cs[e];
+      }
+    }
+    __syncthreads();
+  }
+  const uint32_t kept = kept_s;
+  for (int x = (int)threadIdx.x; x < a.num_tokens * kCols; x += C::kThreads) {
+    const int t = x / kCols, col = x % kCols;
+    if (d0 + col >= D) continue;
+    float o = 0.f;
+    for (int j = 0; j < a.topk; ++j) {
+      const int p = t * a.topk + j;
+      if (!((kept >> p) & 1u)) continue;
+      o = fmaf(w_s[p], part_s[p][col], o);
+    }
+    static_cast<T*>(a.out)[(int64_t)t * D + d0 + col] = from_float<T>(o);
+  }
+}
+
+// mma: both phases on matrix cores, an expert's pairs together (gemv_gated_mma_kernel and
+// gemv_down_mma_kernel, 16-bit types only).
 template <typename T>
 int launch_gemv(const GemvArgs& a, bool mma, hipStream_t stream) {
   typedef GemvCfg<T> C;
@@ -347,8 +527,16 @@ int launch_gemv(const GemvArgs& a, bool mma, hipStream_t stream) {
     hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
     HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
   }
-  HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)((units + kWaves - 1) / kWaves)),
-                            dim3(C::kDownThreads), 0, stream, a));
+  if (mma) {
+    if constexpr (sizeof(T) == 2) {
+      typedef GemvDownMmaCfg<T> DC;
+      HK_CHECK(launch_dependent(gemv_down_mma_kernel<T>, dim3((unsigned)((a.dim + DC::kCols - 1) / DC::kCols)),
+                                dim3(DC::kThreads), 0, stream, a));
+    }
+  } else {
+    HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)((units + kWaves - 1) / kWaves)),
+                              dim3(C::kDownThreads), 0, stream, a));
+  }
   return 0;
 }
 

@@ -402,6 +402,8 @@ HK_DEVICE lanemask_t ballot(bool pred) {
 // Lanes below this one, as a mask; and the number of lanes set in a mask.
 HK_DEVICE lanemask_t lanemask_lt() { return ((lanemask_t)1 << lane_id()) - 1; }
 HK_DEVICE int popc(lanemask_t m) { return __popcll((unsigned long long)m); }
+// The lowest lane set in a mask that is not empty.
+HK_DEVICE int lowest_lane(lanemask_t m) { return __ffsll((unsigned long long)m) - 1; }
 
 // Lanes of the wave whose `v` equals this lane's, as a mask (v < 2^bits). All lanes must call it.
 // One match.any on NVIDIA (sm_70+); elsewhere one ballot per bit of v.
