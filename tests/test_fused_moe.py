@@ -511,8 +511,7 @@ def test_gemv_variant(dtype, variant):
     with all its pairs; a wave per output element summing its token's slots): the few-pair cases of
     the decode test (for gemv_mma: 32 pairs on one expert, 8 gated passes of 4 pairs on NVIDIA, 16 of 2
     on CDNA, and 4 down passes of 8, 2 of 16; one pair, a down pass cut into a slice per wave; no kept
-    pair), then the
-    edges of their loops: model dims whose chunks do not fill the block's threads (200, 8 / 4 chunks
+    pair), then the edges of their loops: model dims whose chunks do not fill the block's threads (200, 8 / 4 chunks
     of 16 bytes short of one per thread; for gemv_mma segments of one partial run) or need a second
     pass / load batch (8704), inter dims shorter than a wave (72) or spanning several load batches
     with a partial one (2176, over slots 9 at a time), top-32 (a slot per lane of a full wave), ids

@@ -216,8 +216,8 @@ __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y
 // Variants: kGrouped, the chain moe_sorting (its own module, called first) -> [split rows] -> gated
 // GEMM -> down GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
 // kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; kGemv, two matrix-vector launches
-// (gemv.h) for at most kGemvPairs pairs, any block_m; kGemvMma, the same with the gated products on
-// matrix cores (16-bit types). kDecode and the gemv variants read no sorting output and use neither y
+// (gemv.h) for at most kGemvPairs pairs, any block_m; kGemvMma, the same with an expert's pairs
+// computed together on matrix cores in both launches (16-bit types). kDecode and the gemv variants read no sorting output and use neither y
 // nor the workspace (they may be null).
 enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2, kGemvMma = 3 };
 

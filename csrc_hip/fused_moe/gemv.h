@@ -434,7 +434,7 @@ __global__ HK_LAUNCH_BOUNDS(GemvDownMmaCfg<T>::kThreads, GemvDownMmaCfg<T>::kMin
     int pr[kR];  // the pair of each of the lane's A rows (-1: none)
 #pragma unroll
     for (int r = 0; r < kR; ++r) pr[r] = r < kAR ? pass_p_s[s][MT::direct_row(r)] : -1;
-    typename MT::C c[2];  // a run's two steps on two accumulators: two chains of products, not one
+    typename MT::C c[2];  // a run's two steps on two accumulators (measured level with one: NOTES.md)
 #pragma unroll
     for (int e = 0; e < MT::kC; ++e) c[0][e] = c[1][e] = 0.f;
     for (int q0 = sl; q0 < runs; q0 += slices * kLoads) {
