@@ -179,9 +179,12 @@ struct GemvMmaCfg {
   static constexpr int kThreads = 256, kWaves = kThreads / kWaveSize;
   static constexpr int kSegs = MT::N / 2;             // S: 4 on NVIDIA, 8 on CDNA
   static constexpr int kTileTokens = MT::M / kSegs;   // pairs a product covers: 4 on NVIDIA, 2 on CDNA
-  static constexpr int kLoads = 8;  // runs of a lane's weights in flight (D = 7168 on NVIDIA: 7, one batch)
-  // 80 registers, no spills; bounded for 4 blocks (64) it spilled and was slower (NOTES.md).
-  static constexpr int kMinBlocks = 3;
+  // Runs of a lane's weights in flight: D = 7168 is one batch (8 waves x 7 runs of 128 on NVIDIA, 4 x 7 of
+  // 256 on CDNA). 7, not 8, is what fits bf16 in 64 registers without spills, so 4 blocks an SM: at 3
+  // (80 registers) skewed DeepSeek-like 4 tokens took 1.9 us longer (H100, NOTES.md, 2026-11-27 (13)).
+  // fp16 still spills 68 bytes at 64 registers, so it keeps 3 blocks.
+  static constexpr int kLoads = 7;
+  static constexpr int kMinBlocks = std::is_same<T, half_t>::value ? 3 : 4;
 };
 
 template <typename T>
