@@ -160,9 +160,9 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
 // blocks exit; a pair alone on its expert runs gemv_gated_kernel's row instead. So under skewed
 // routing an expert's rows are streamed once and an extra pair costs a few matrix instructions, not a
 // token row's conversions and FMAs on CUDA cores (what bounds gemv there: NOTES.md, 2026-11-27 (8)).
-// H100 (NOTES.md, 2026-11-27 (10) and (12)), with gemv_down_mma_kernel after it: skewed DeepSeek-like 4
-// tokens 64 -> 42 us against gemv; under uniform routing slower (DeepSeek-like 1-4 tokens by 2-4 us,
-// Mixtral 8x7B 1 token by 4.5 %), so the tuner chooses per shape.
+// H100 (NOTES.md, 2026-11-27 (10), (12) and (13)), with gemv_down_mma_kernel after it: skewed DeepSeek-like
+// 4 tokens 64 -> 40 us against gemv; under uniform routing slower (DeepSeek-like 1-4 tokens by 2-4 us,
+// Mixtral 8x7B 1 token by 3 %), so the tuner chooses per shape.
 // One product covers the block's two rows (gate i, up i) against kTileTokens pairs: the reduction is
 // cut into S = N / 2 segments, B's column n is (row n / S, segment n % S) and A's row m (pair m / S,
 // segment m % S). MmaTile's direct layout gives each lane operands of a single segment, so the entries

@@ -25,8 +25,8 @@ VARIANT = "grouped"  # moe_sorting, then the two grouped GEMMs and the combine: 
 # routed pairs; two launches, no sorting; block_m only names the module (csrc_hip/fused_moe/gemv.h).
 # "gemv_mma" (float16 / bfloat16): "gemv" with each expert's pairs computed together on matrix cores in
 # both launches (a pair alone on its expert keeps gemv's gated row): under routings that pile pairs onto
-# experts faster (H100: DeepSeek-like 4 tokens all on the same 8 experts, 64 -> 42 us), under uniform
-# routing slower (DeepSeek-like 1-4 tokens by 2-4 us, Mixtral 8x7B 1 token by 4.5 %); the tuner chooses
+# experts faster (H100: DeepSeek-like 4 tokens all on the same 8 experts, 64 -> 40 us), under uniform
+# routing slower (DeepSeek-like 1-4 tokens by 2-4 us, Mixtral 8x7B 1 token by 3 %); the tuner chooses
 # between them per shape.
 VARIANTS = (VARIANT, "decode", "gemv", "gemv_mma")
 GEMV_VARIANTS = ("gemv", "gemv_mma")
