@@ -170,8 +170,9 @@ __global__ HK_LAUNCH_BOUNDS(GemvCfg<T>::kGatedThreads, GemvCfg<T>::kGatedMinBloc
 // product with pair t (the other entries mix segments and are dropped). Segment s is runs s, s + S,
 // s + 2S, ... of a row (a run: kDirectK reduction indices), so a wave's load covers S adjacent runs of
 // each row; contiguous quarter rows as segments left the kernel 20 % slower. A lane's weights are
-// 16-byte loads, a batch requested before the first is used; the token chunks are L1 hits after the
-// first block.
+// 16-byte loads, a batch requested before the first is used: the first batch before the block's barrier
+// (it needs the expert only), each next one as soon as the last is used. The token chunks are L1 hits
+// after the first block.
 template <typename T>
 struct GemvMmaCfg {
   static_assert(GemvCfg<T>::kGatedThreads == 256, "a lone pair's block runs gemv_gated_row");
@@ -216,7 +217,16 @@ __global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) 
   const T* w = static_cast<const T*>(a.w1) + ((int64_t)le * 2 * I + (int64_t)(col / S) * I + i) * D;
   const int k_lane = col % S * kRun + MT::direct_k();  // + run * S * kRun: a 16-byte chunk, whole or past D
   const T* x = static_cast<const T*>(a.x);
-  __syncthreads();  // pair_s
+  uint4 wv[kLoads];
+  auto load_weights = [&](int u0) {
+#pragma unroll
+    for (int b = 0; b < kLoads; ++b) {
+      const int k = k_lane + (u0 + b * kWaves) * S * kRun;
+      wv[b] = u0 + b * kWaves < runs && k < D ? load_once16(w + k) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_weights(wave);  // the first batch depends on the expert only: requested before the barrier
+  __syncthreads();     // pair_s
   for (int pass = 0; pass < np; pass += TT) {
     int tok[kR];  // the token of each A row's pair (-1: none)
 #pragma unroll
@@ -228,12 +238,6 @@ __global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) 
 #pragma unroll
     for (int e = 0; e < MT::kC; ++e) c[e] = 0.f;
     for (int u0 = wave; u0 < runs; u0 += kWaves * kLoads) {
-      uint4 wv[kLoads];
-#pragma unroll
-      for (int b = 0; b < kLoads; ++b) {
-        const int k = k_lane + (u0 + b * kWaves) * S * kRun;
-        wv[b] = u0 + b * kWaves < runs && k < D ? load_once16(w + k) : make_uint4(0, 0, 0, 0);
-      }
 #pragma unroll
       for (int b = 0; b < kLoads; ++b) {
         if (u0 + b * kWaves >= runs) break;  // uniform over the wave: mma is a wave's instruction
@@ -251,6 +255,12 @@ __global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) 
           MT::b_direct(fb, wv[b], st);
           MT::mma(c, fa, fb);
         }
+      }
+      // The next batch, this pass's or the next pass's first, requested once this one is used.
+      if (u0 + kWaves * kLoads < runs) {
+        load_weights(u0 + kWaves * kLoads);
+      } else if (pass + TT < np) {
+        load_weights(wave);
       }
     }
 #pragma unroll
