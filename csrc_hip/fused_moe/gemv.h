@@ -247,14 +247,7 @@ __global__ HK_LAUNCH_BOUNDS(GemvMmaCfg<T>::kThreads, GemvMmaCfg<T>::kMinBlocks) 
         for (int j = 0; j < kR; ++j)
           xv[j] = k < D && tok[j] >= 0 ? *reinterpret_cast<const uint4*>(x + (int64_t)tok[j] * D + k)
                                        : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int st = 0; st < 2; ++st) {
-          typename MT::A fa;
-          typename MT::B fb;
-          MT::a_direct(fa, xv, st);
-          MT::b_direct(fb, wv[b], st);
-          MT::mma(c, fa, fb);
-        }
+        mma_direct_run<MT>(c, xv, wv[b]);
       }
       // The next batch, this pass's or the next pass's first, requested once this one is used.
       if (u0 + kWaves * kLoads < runs) {
@@ -437,9 +430,9 @@ __global__ HK_LAUNCH_BOUNDS(GemvDownMmaCfg<T>::kThreads, GemvDownMmaCfg<T>::kMin
   const int k_lane = MT::direct_k();  // + run * kRun: a 16-byte chunk, whole or past I
   const T* inter = static_cast<const T*>(a.inter);
   bool waited = false;
-  // With slices (npass <= kWaves / 2) a wave has one unit at most: its products wait in cs and join
-  // part_s in slice order, a round each.
-  float cs[MT::kC];
+  // The wave's products. With slices (npass <= kWaves / 2) a wave has one unit at most: its products
+  // wait here and join part_s in slice order, a round each.
+  typename MT::C c;
   int unit_s = -1, unit_sl = 0;
   for (int u = wave; u < units; u += kWaves) {  // uniform over the wave
     const int s = u / slices, sl = u % slices;
@@ -447,9 +440,8 @@ __global__ HK_LAUNCH_BOUNDS(GemvDownMmaCfg<T>::kThreads, GemvDownMmaCfg<T>::kMin
     int pr[kR];  // the pair of each of the lane's A rows (-1: none)
 #pragma unroll
     for (int r = 0; r < kR; ++r) pr[r] = r < kAR ? pass_p_s[s][MT::direct_row(r)] : -1;
-    typename MT::C c[2];  // a run's two steps on two accumulators (measured level with one: NOTES.md)
 #pragma unroll
-    for (int e = 0; e < MT::kC; ++e) c[0][e] = c[1][e] = 0.f;
+    for (int e = 0; e < MT::kC; ++e) c[e] = 0.f;
     for (int q0 = sl; q0 < runs; q0 += slices * kLoads) {
       uint4 wv[kLoads];
 #pragma unroll
@@ -473,21 +465,13 @@ __global__ HK_LAUNCH_BOUNDS(GemvDownMmaCfg<T>::kThreads, GemvDownMmaCfg<T>::kMin
 #pragma unroll
       for (int b = 0; b < kLoads; ++b) {
         if (q0 + b * slices >= runs) break;  // uniform over the wave: mma is a wave's instruction
-#pragma unroll
-        for (int st = 0; st < 2; ++st) {
-          typename MT::A fa;
-          typename MT::B fb;
-          MT::a_direct(fa, xv[b], st);
-          MT::b_direct(fb, wv[b], st);
-          MT::mma(c[st], fa, fb);
-        }
+        mma_direct_run<MT>(c, xv[b], wv[b]);
       }
     }
 #pragma unroll
     for (int e = 0; e < MT::kC; ++e) {
-      cs[e] = c[0][e] + c[1][e];
       const int p = MT::c_row(e) < kPass ? pass_p_s[s][MT::c_row(e)] : -1;
-      if (slices == 1 && p >= 0) part_s[p][MT::c_col(e)] = cs[e];  // each pair in one pass
+      if (slices == 1 && p >= 0) part_s[p][MT::c_col(e)] = c[e];  // each pair in one pass
     }
     unit_s = s;
     unit_sl = sl;
@@ -500,7 +484,7 @@ __global__ HK_LAUNCH_BOUNDS(GemvDownMmaCfg<T>::kThreads, GemvDownMmaCfg<T>::kMin
 #pragma unroll
       for (int e = 0; e < MT::kC; ++e) {
         const int p = MT::c_row(e) < kPass ? pass_p_s[unit_s][MT::c_row(e)] : -1;
-        if (p >= 0) part_s[p][MT::c_col(e)] = round == 0 ? cs[e] : part_s[p][MT::c_col(e)] + cs[e];
+        if (p >= 0) part_s[p][MT::c_col(e)] = round == 0 ? c[e] : part_s[p][MT::c_col(e)] + c[e];
       }
     }
     __syncthreads();
@@ -533,20 +517,15 @@ int launch_gemv(const GemvArgs& a, bool mma, hipStream_t stream) {
   HK_REQUIRE(!mma || sizeof(T) == 2);
   if (mma) {
     if constexpr (sizeof(T) == 2) {
+      typedef GemvDownMmaCfg<T> DC;
       hipLaunchKernelGGL(gemv_gated_mma_kernel<T>, dim3((unsigned)gated), dim3(GemvMmaCfg<T>::kThreads), 0, stream, g);
       HK_CHECK_LAUNCH("fused_moe gemv_gated_mma_kernel");
-    }
-  } else {
-    hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
-    HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
-  }
-  if (mma) {
-    if constexpr (sizeof(T) == 2) {
-      typedef GemvDownMmaCfg<T> DC;
       HK_CHECK(launch_dependent(gemv_down_mma_kernel<T>, dim3((unsigned)((a.dim + DC::kCols - 1) / DC::kCols)),
                                 dim3(DC::kThreads), 0, stream, a));
     }
   } else {
+    hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
+    HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
     HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)((units + kWaves - 1) / kWaves)),
                               dim3(C::kDownThreads), 0, stream, a));
   }

@@ -23,6 +23,7 @@
 //   direct_row(r) and its B load column direct_col(), all at indices direct_k() .. direct_k() + 7;
 //   a_direct / b_direct(x, v, s) give step s (0 or 1) of the run's two 16-deep products. A and B
 //   see the same permutation, so C is the plain product (a sum's terms taken in another order).
+//   mma_direct_run<MT>(c, x, v)  both steps of a run: c += the run's product.
 //
 // Shared-memory rows handed to the loads must be 16-byte aligned (ld a multiple of 8 elements).
 // On NVIDIA, a row stride of (a multiple of 128 bytes) + 16 bytes keeps ldmatrix free of bank
@@ -248,5 +249,18 @@ struct MmaTile {
 };
 
 #endif
+
+// Both 16-deep steps of one run of the direct layout (A: the lane's kDirectRows loads, B: its one).
+template <typename MT>
+HK_DEVICE void mma_direct_run(typename MT::C& c, const uint4 (&x)[MT::kDirectRows], const uint4& v) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    typename MT::A a;
+    typename MT::B b;
+    MT::a_direct(a, x, s);
+    MT::b_direct(b, v, s);
+    MT::mma(c, a, b);
+  }
+}
 
 }  // namespace hk
