@@ -97,6 +97,42 @@ def test_long_contexts(variant, n):
     run_and_check(case, variant=variant)
 
 
+def ramp_keys(case, lo, hi, block_size=16):
+    """Each sequence's key rows scaled from lo at its first token to hi at its last (NHD caches, no shared
+    blocks), so its scores' spread, and their running max, change steadily along the context."""
+    q, k, v, bt, cl = case
+    for s, n in enumerate(cl.tolist()):
+        t = torch.arange(n, device="cuda")
+        f = lo + (hi - lo) * t.float() / max(1, n - 1)
+        blk, slot = bt[s, t // block_size].long(), t % block_size
+        k[blk, slot] = (k[blk, slot].float() * f[:, None, None]).to(k.dtype)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lo,hi", [(0.5, 16.0), (16.0, 0.5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pin", [("v16", 16, 128), ("v16", 16, 256), ("v16", 32, 256), ("v16", 64, 256),
+                                 ("v16", 64, 128), ("v6", 16, 128), ("v6", 16, 256), ("v3", 0, 128),
+                                 ("v5", 0, 128), ("v9", 0, 256)])
+def test_rising_and_falling_score_ranges(pin, dtype, lo, hi):
+    """Keys scaled along each context (ramp_keys) so that the running max of the scores climbs by ~1-2
+    log2 units a 64-token tile, ~50 in all (or falls from there): a kernel that rescales its output only
+    once the max has risen by more than kRescaleSlack (online_softmax.h) must take both paths, a stale max
+    for several tiles (P up to 2^8) and then a rescale, in every block kind (16-, 32- and 64-head v16
+    blocks, head size 128 and 256: token slices, the column split and wgmma; v6; the CUDA-core kernels),
+    unsplit and split."""
+    variant, heads, head_size = pin
+    group = heads if heads > 16 else 8
+    lens = [1, 64, 65, 700, 2048, 4100]
+    case = ramp_keys(make_case(lens, num_kv_heads=1 if group > 16 else 2, group=group, head_size=head_size,
+                               dtype=dtype, seed=head_size + heads), lo, hi)
+    pinned_heads = {"heads_per_block": heads} if heads else {}
+    for extra in ({}, {"partition_size": 512}):
+        with pinned(Candidate.of(variant, **pinned_heads, **extra)):
+            run_and_check(case, variant=None, msg=f"{pin} {extra} ")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
