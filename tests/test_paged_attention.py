@@ -241,6 +241,22 @@ def test_pinned_partition_sizes_on_two_streams(partition_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant,partition_size", [("v16", 128), ("v3", 256), ("v5", 64), ("v9", 128)])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_merge_of_many_partitions_odd_head_count(variant, partition_size, head_size):
+    """Splits of more than 4 partitions (up to 33), whose merge kernel spreads each head's partials over
+    groups of threads that meet in shared memory (2 heads a block at head size 64, where an odd head count
+    leaves the last block's second head empty; at most 4 partitions take the one-group kernel): mixed
+    lengths with an empty context and partition boundaries, 9 query heads on 3 KV heads."""
+    lens = [0, 1, partition_size - 1, partition_size + 1, 5 * partition_size, 7 * partition_size + 3,
+            33 * partition_size - 5]
+    case = make_case(lens, num_kv_heads=3, group=3, head_size=head_size, seed=head_size + partition_size)
+    with pinned(Candidate.of(variant, partition_size=partition_size)):
+        o, lse = run_and_check(case, variant=None, msg=f"{variant} ")
+    assert (o[0] == 0).all() and (lse[0] == -math.inf).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("blocks_per_slot", [1, 2, 3, 64])
 @pytest.mark.parametrize("group", [4, 64])
 def test_per_sequence_split_one_long_among_short(blocks_per_slot, group):

@@ -333,17 +333,25 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
   if (in_cluster) cluster_merge<T, D, kRows, kThreads, kLd>(p, ml_s, a_w, w);
 }
 
-// Combine the partials of each (sequence, head) that has several: grid (ceil(num_q_heads / kHeadsM),
-// num_seqs), kHeadsM heads of D / 4 threads each (4 dimensions a thread). One pass over the partials,
-// rescaling to the running max. With programmatic dependent launch (sm_90) it may start before the
-// decode kernel ends: it reads the partials only after griddep_wait().
-template <int D> HK_HOST_DEVICE constexpr int merge_heads() { return 512 / D; }
+// Combine the partials of each (sequence, head) that has several: grid (ceil(num_q_heads / heads), num_seqs),
+// 128 threads, merge_heads<D, G>() heads a block; a head's threads are D / 4 dimension groups (4 dimensions a
+// thread) times G partition groups. Group g takes partials g, g + G, g + 2G, ... kBatch at a time, rescaling
+// to its running max; with G > 1 the groups' states then meet in shared memory and group 0 merges them in
+// group order (deterministic). G = 1 where a sequence has at most kBatch partials (one batch of loads);
+// longer splits take merge_groups<D>(), so a thread's loads in series are G times fewer (H100, NOTES.md,
+// 2026-11-27 (14): 16 / 32 / 64 partitions at head size 128 had 3.0 / 4.5 / 9.9 us of merge after the decode
+// kernel). With programmatic dependent launch (sm_90) it may start before the decode kernel ends: it reads
+// the partials only after griddep_wait().
+constexpr int kMergeBatch = 4;
+template <int D> HK_HOST_DEVICE constexpr int merge_groups() { return D >= 256 ? 2 : 4; }
+template <int D, int G> HK_HOST_DEVICE constexpr int merge_heads() { return 512 / (D * G); }
 
-template <typename T, int D>
+template <typename T, int D, int G>
 __global__ __launch_bounds__(128) void merge_kernel(Params p) {
-  constexpr int kPerHead = D / 4;
-  const int head = blockIdx.x * merge_heads<D>() + threadIdx.x / kPerHead, seq = blockIdx.y;
-  const int d = threadIdx.x % kPerHead * 4;
+  constexpr int kPerHead = D / 4, kBatch = kMergeBatch;
+  static_assert(kPerHead * G * merge_heads<D, G>() == 128, "128 threads: heads x groups x dimension groups");
+  const int head = blockIdx.x * merge_heads<D, G>() + threadIdx.x / (kPerHead * G), seq = blockIdx.y;
+  const int g = threadIdx.x / kPerHead % G, d = threadIdx.x % kPerHead * 4;
   int n;
   int64_t first, stride;  // partial j of this (sequence, head): rows first + j * stride
   if (p.split_target > 0) {
@@ -358,36 +366,51 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
     stride = 1;
     griddep_wait();
   }
-  if (n <= 1 || head >= p.num_q_heads) return;  // one partition: the decode kernel wrote the output
+  if (n <= 1) return;  // (the whole block: one sequence) one partition: the decode kernel wrote the output
+  const bool active = head < p.num_q_heads;  // (with G > 1 every thread reaches the barrier below)
   float M = -INFINITY, L = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
+  // Merge a state (m, l, o) into the running one; an empty state (m = -inf) adds nothing.
+  auto merge = [&](float m, float l, float4 o) {
+    if (m == -INFINITY) return;
+    const float mn = fmaxf(M, m), a = merge_weight(M, mn), c = fast_exp2(m - mn);
+    L = L * a + l * c;
+    O[0] = O[0] * a + o.x * c;
+    O[1] = O[1] * a + o.y * c;
+    O[2] = O[2] * a + o.z * c;
+    O[3] = O[3] * a + o.w * c;
+    M = mn;
+  };
   // kBatch partials' loads (L2 hits) issued together before any is used: one round trip a batch.
   // Loaded one partial at a time, (m, l) then o behind a branch on m, they ran as two round trips a
   // partial, in series.
-  constexpr int kBatch = 4;
-  for (int j0 = 0; j0 < n; j0 += kBatch) {
+  for (int j0 = g; j0 < n; j0 += G * kBatch) {
     float2 ml[kBatch];
     float4 o[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (j0 + b < n) {  // every partial below n was written
-        const int64_t r = first + (int64_t)(j0 + b) * stride;
+      if (active && j0 + b * G < n) {  // every partial below n was written
+        const int64_t r = first + (int64_t)(j0 + b * G) * stride;
         ml[b] = *reinterpret_cast<const float2*>(p.part_ml + 2 * r);
         o[b] = *reinterpret_cast<const float4*>(p.part_o + r * D + d);
       }
     }
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const float m = ml[b].x;
-      if (j0 + b >= n || m == -INFINITY) continue;  // past the last partial, or an empty one
-      const float mn = fmaxf(M, m), a = merge_weight(M, mn), c = fast_exp2(m - mn);
-      L = L * a + ml[b].y * c;
-      O[0] = O[0] * a + o[b].x * c;
-      O[1] = O[1] * a + o[b].y * c;
-      O[2] = O[2] * a + o[b].z * c;
-      O[3] = O[3] * a + o[b].w * c;
-      M = mn;
+    for (int b = 0; b < kBatch; ++b)
+      if (active && j0 + b * G < n) merge(ml[b].x, ml[b].y, o[b]);
+  }
+  if constexpr (G > 1) {  // the groups' states, then group 0 merges groups 1 .. G - 1 in order
+    __shared__ float st_s[6][128];
+    const float mine[6] = {M, L, O[0], O[1], O[2], O[3]};
+#pragma unroll
+    for (int i = 0; i < 6; ++i) st_s[i][threadIdx.x] = mine[i];
+    __syncthreads();
+    if (g != 0) return;
+    for (int q = 1; q < G; ++q) {
+      const int t = threadIdx.x + q * kPerHead;
+      merge(st_s[0][t], st_s[1][t], make_float4(st_s[2][t], st_s[3][t], st_s[4][t], st_s[5][t]));
     }
   }
+  if (!active) return;
   const float f = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) O[j] *= f;
@@ -455,8 +478,18 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
   if (p.num_partitions > 1 || p.split_target > 0) {
-    const unsigned x = (unsigned)((p.num_q_heads + merge_heads<D>() - 1) / merge_heads<D>());
-    HK_CHECK(launch_dependent(merge_kernel<T, D>, dim3(x, (unsigned)num_seqs), dim3(128), 0, stream, p));
+    // A sequence's partials: at most num_partitions, or (per-sequence split) its share of split_target.
+    const int most = p.split_target > 0 ? p.split_target + 1 : p.num_partitions;
+    const unsigned y = (unsigned)num_seqs;
+    if (most <= kMergeBatch) {
+      constexpr int h = merge_heads<D, 1>();
+      HK_CHECK(launch_dependent(merge_kernel<T, D, 1>, dim3((unsigned)((p.num_q_heads + h - 1) / h), y), dim3(128), 0,
+                                stream, p));
+    } else {
+      constexpr int G = merge_groups<D>(), h = merge_heads<D, G>();
+      HK_CHECK(launch_dependent(merge_kernel<T, D, G>, dim3((unsigned)((p.num_q_heads + h - 1) / h), y), dim3(128), 0,
+                                stream, p));
+    }
   }
   return 0;
 }
