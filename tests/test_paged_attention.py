@@ -120,15 +120,17 @@ def test_rising_and_falling_score_ranges(pin, dtype, lo, hi):
     log2 units a 64-token tile, ~50 in all (or falls from there): a kernel that rescales its output only
     once the max has risen by more than kRescaleSlack (online_softmax.h) must take both paths, a stale max
     for several tiles (P up to 2^8) and then a rescale, in every block kind (16-, 32- and 64-head v16
-    blocks, head size 128 and 256: token slices, the column split and wgmma; v6; the CUDA-core kernels),
-    unsplit and split."""
+    blocks, head size 128 and 256: token slices, the column split and wgmma; v6; the CUDA-core kernels).
+    Each runs its default plan (many partitions, the merge kernel), partitions of 512, of 1024 (5 at most:
+    merged in clusters on sm_90) and of 8192 (unsplit: one block over all 65 tiles, its stale max
+    normalised by finish()). v3 and v5 take these as their smallest partitions."""
     variant, heads, head_size = pin
     group = heads if heads > 16 else 8
     lens = [1, 64, 65, 700, 2048, 4100]
     case = ramp_keys(make_case(lens, num_kv_heads=1 if group > 16 else 2, group=group, head_size=head_size,
                                dtype=dtype, seed=head_size + heads), lo, hi)
     pinned_heads = {"heads_per_block": heads} if heads else {}
-    for extra in ({}, {"partition_size": 512}):
+    for extra in ({}, {"partition_size": 512}, {"partition_size": 1024}, {"partition_size": 8192}):
         with pinned(Candidate.of(variant, **pinned_heads, **extra)):
             run_and_check(case, variant=None, msg=f"{pin} {extra} ")
 

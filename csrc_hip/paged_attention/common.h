@@ -478,8 +478,9 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
   if (p.num_partitions > 1 || p.split_target > 0) {
-    // A sequence's partials: at most num_partitions, or (per-sequence split) its share of split_target.
-    const int most = p.split_target > 0 ? p.split_target + 1 : p.num_partitions;
+    // A sequence's partials: at most num_partitions, or (per-sequence split) split_target (block_work's
+    // plan gives a sequence round(tiles / c) partitions with c >= all tiles / split_target).
+    const int most = p.split_target > 0 ? p.split_target : p.num_partitions;
     const unsigned y = (unsigned)num_seqs;
     if (most <= kMergeBatch) {
       constexpr int h = merge_heads<D, 1>();

@@ -425,12 +425,15 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
         mx[MT::row_slot(i)] = v;
       }
     }
-    // Where a thread holds 128 output accumulators or more (kLazy: the 64- and 32-head blocks at head size
-    // 256), the state moves to the new max only when one of the wave's rows rose more than kRescaleSlack
-    // above its m (always on the first tile: m is -inf), so most tiles skip the output's rescale; the test
-    // is uniform over the wave. H100 (NOTES.md, 2026-11-27 (14)): 64:1 x 256 shapes 0.1-0.9 us faster.
-    // With 64 (16-head blocks at head size 128) or 32 (the column split) it measured level or 0.2-0.4 us
-    // slower: a short rescale is cheaper than the test in each tile's chain, so those rescale every tile.
+    // Where a thread holds 128 output accumulators or more (kLazy: on NVIDIA the 64- and 32-head blocks and
+    // v6 at head size 256; nothing on CDNA, whose 16-column tiles leave at most 64), the state moves to the
+    // new max only when one of the wave's rows rose more than kRescaleSlack above its m (always on the first
+    // tile: m is -inf), so most tiles skip the output's rescale. The test is uniform over the wave, and each
+    // lazy configuration keeps a state per wave (its rows, P and outputs); under kSplitD, never lazy, the
+    // waves of a head tile would decide alike (same rows, m and exchanged maxima). H100 (NOTES.md, 2026-11-27
+    // (14)): 64:1 x 256 shapes 0.1-0.9 us faster. With 64 (16-head blocks at head size 128) or 32 (the column
+    // split) it measured level or 0.2-0.4 us slower: a short rescale is cheaper than the test in each tile's
+    // chain, so those rescale every tile.
     constexpr bool kLazy = kND * MT::kC >= 128;
     bool grow = true;
     if constexpr (kLazy) {
