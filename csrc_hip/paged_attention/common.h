@@ -419,6 +419,15 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
 }
 
+// The merge kernel with G partition groups, a programmatic dependent launch after the decode kernel.
+template <typename T, int D, int G>
+int launch_merge(const Params& p, int num_seqs, hipStream_t stream) {
+  constexpr int h = merge_heads<D, G>();
+  const dim3 grid((unsigned)((p.num_q_heads + h - 1) / h), (unsigned)num_seqs);
+  HK_CHECK(launch_dependent(merge_kernel<T, D, G>, grid, dim3(128), 0, stream, p));
+  return 0;
+}
+
 // Whether a uniform split of `parts` partitions runs as clusters (cluster_merge) for a kernel that
 // can: where the build has clusters, parts <= kMaxCluster, and clusters of `parts` blocks need no
 // more rounds over the device than the blocks alone (a cluster's blocks must fit one GPC at once).
@@ -481,16 +490,8 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
     // A sequence's partials: at most num_partitions, or (per-sequence split) split_target (block_work's
     // plan gives a sequence round(tiles / c) partitions with c >= all tiles / split_target).
     const int most = p.split_target > 0 ? p.split_target : p.num_partitions;
-    const unsigned y = (unsigned)num_seqs;
-    if (most <= kMergeBatch) {
-      constexpr int h = merge_heads<D, 1>();
-      HK_CHECK(launch_dependent(merge_kernel<T, D, 1>, dim3((unsigned)((p.num_q_heads + h - 1) / h), y), dim3(128), 0,
-                                stream, p));
-    } else {
-      constexpr int G = merge_groups<D>(), h = merge_heads<D, G>();
-      HK_CHECK(launch_dependent(merge_kernel<T, D, G>, dim3((unsigned)((p.num_q_heads + h - 1) / h), y), dim3(128), 0,
-                                stream, p));
-    }
+    return most <= kMergeBatch ? launch_merge<T, D, 1>(p, num_seqs, stream)
+                               : launch_merge<T, D, merge_groups<D>()>(p, num_seqs, stream);
   }
   return 0;
 }
