@@ -259,6 +259,28 @@ def test_merge_of_many_partitions_odd_head_count(variant, partition_size, head_s
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant,partition_size,num_seqs", [("v16", 512, 32), ("v16", 128, 8), ("v3", 512, 24),
+                                                              ("v5", 256, 64)])
+def test_partials_dropped_from_l2_once_merged(variant, partition_size, num_seqs):
+    """Splits whose partial outputs are >= 4 MB (64 heads of 256: 64 KB a partition; kDropPartialsBytes in
+    common.h), so that the merge kernel drops their L2 lines once it has read them (discard_l2): one and
+    two groups of threads a head (4 / 16 partitions), the uniform and the per-sequence split. (v16's 32 x 4
+    blocks do not fit one round as clusters on the H100: the benchmark's plan; 16 partitions are more than
+    a cluster; v3 never runs clusters.) A line dropped before every lane that reads it has used it would
+    give garbage. Two calls on new queries (the first's workspace reused by the second), each against the
+    reference, and a third bitwise equal to the second."""
+    g = torch.Generator().manual_seed(partition_size + num_seqs)
+    lens = [1, partition_size, 2048] + torch.randint(1, 2049, (num_seqs - 3,), generator=g).tolist()
+    q, k, v, bt, cl = make_case(lens, num_kv_heads=1, group=64, head_size=256, seed=num_seqs)
+    with pinned(Candidate.of(variant, partition_size=partition_size)):
+        run_and_check((q, k, v, bt, cl), variant=None, msg=f"{variant} ")
+        q2 = torch.randn(q.shape, generator=g).to(q)
+        o2, lse2 = run_and_check((q2, k, v, bt, cl), variant=None, msg=f"{variant} second ")
+        o3, lse3 = hipkern.paged_attention_decode(q2, k, v, bt, cl, return_lse=True)
+    assert torch.equal(o2, o3) and torch.equal(lse2, lse3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("blocks_per_slot", [1, 2, 3, 64])
 @pytest.mark.parametrize("group", [4, 64])
 def test_per_sequence_split_one_long_among_short(blocks_per_slot, group):

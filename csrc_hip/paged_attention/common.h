@@ -346,24 +346,26 @@ constexpr int kMergeBatch = 4;
 template <int D> HK_HOST_DEVICE constexpr int merge_groups() { return D >= 256 ? 2 : 4; }
 template <int D, int G> HK_HOST_DEVICE constexpr int merge_heads() { return 512 / (D * G); }
 
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool kDrop>
 __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   constexpr int kPerHead = D / 4, kBatch = kMergeBatch;
   static_assert(kPerHead * G * merge_heads<D, G>() == 128, "128 threads: heads x groups x dimension groups");
   const int head = blockIdx.x * merge_heads<D, G>() + threadIdx.x / (kPerHead * G), seq = blockIdx.y;
   const int g = threadIdx.x / kPerHead % G, d = threadIdx.x % kPerHead * 4;
   int n;
-  int64_t first, stride;  // partial j of this (sequence, head): rows first + j * stride
+  int64_t first, stride, hstride;  // partial j of this (sequence, head): rows first + j * stride; a head on: hstride
   if (p.split_target > 0) {
     griddep_wait();  // seq_parts comes from the decode kernel
     n = p.seq_parts[2 * seq + 1];
     first = (int64_t)p.seq_parts[2 * seq] * p.num_q_heads + head;
     stride = p.num_q_heads;
+    hstride = 1;
   } else {
     const int len = context_len(p, seq);
     n = (len + p.partition_size - 1) / p.partition_size;  // partials that were written
     first = ((int64_t)seq * p.num_q_heads + head) * p.num_partitions;
     stride = 1;
+    hstride = p.num_partitions;
     griddep_wait();
   }
   if (n <= 1) return;  // (the whole block: one sequence) one partition: the decode kernel wrote the output
@@ -398,17 +400,34 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
     for (int b = 0; b < kBatch; ++b)
       if (active && j0 + b * G < n) merge(ml[b].x, ml[b].y, o[b]);
   }
+  // kDrop (launch_merge): the block's partial outputs are dead once merged, so after a barrier (every
+  // value read has been used) their L2 lines are dropped rather than written back to DRAM while the next
+  // kernel streams (discard_l2). A row is D floats, a whole number of 128-byte lines.
+  auto drop_partials = [&] {
+    constexpr int kLines = D * 4 / 128, kHeads = merge_heads<D, G>();
+    const int h0 = blockIdx.x * kHeads, nh = min(kHeads, p.num_q_heads - h0);
+    const int64_t row0 = first - (int64_t)(head - h0) * hstride;  // head h0's partial 0
+    const int line = threadIdx.x % kLines;
+    for (int h = 0; h < nh; ++h)
+      for (int j = threadIdx.x / kLines; j < n; j += 128 / kLines)
+        discard_l2(p.part_o + (row0 + h * hstride + (int64_t)j * stride) * D + line * 32);
+  };
+  static_assert(D * 4 % 128 == 0, "partial rows of whole lines");
   if constexpr (G > 1) {  // the groups' states, then group 0 merges groups 1 .. G - 1 in order
     __shared__ float st_s[6][128];
     const float mine[6] = {M, L, O[0], O[1], O[2], O[3]};
 #pragma unroll
     for (int i = 0; i < 6; ++i) st_s[i][threadIdx.x] = mine[i];
     __syncthreads();
+    if constexpr (kDrop) drop_partials();
     if (g != 0) return;
     for (int q = 1; q < G; ++q) {
       const int t = threadIdx.x + q * kPerHead;
       merge(st_s[0][t], st_s[1][t], make_float4(st_s[2][t], st_s[3][t], st_s[4][t], st_s[5][t]));
     }
+  } else if constexpr (kDrop) {
+    __syncthreads();
+    drop_partials();
   }
   if (!active) return;
   const float f = L > 0.f ? 1.f / L : 0.f;
@@ -419,12 +438,25 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
 }
 
+// Partial outputs of at least this many bytes are dropped from L2 once merged (merge_kernel's kDrop).
+// Dirty, they would be written back to DRAM while the next kernel streams; the drop costs the merge
+// some tail. H100, NOTES.md (2026-11-28), with the next call streaming behind / with L2 flushed between
+// calls: 8.4 MB of them (32 x 2048 x 64:1) 40.6 -> 38.1 us / 0.3-1.0 us slower; 4 MB (1 x 32768 x 64:1,
+// 64 partitions) 0.7-0.9 us faster / 0.4-0.5 slower; 0.5 MB (1 x 16384 x 8 kv) 0.2-0.4 faster / 0.4-1.1
+// slower, hence none below 4 MB.
+constexpr int64_t kDropPartialsBytes = 4 << 20;
+
 // The merge kernel with G partition groups, a programmatic dependent launch after the decode kernel.
 template <typename T, int D, int G>
 int launch_merge(const Params& p, int num_seqs, hipStream_t stream) {
   constexpr int h = merge_heads<D, G>();
   const dim3 grid((unsigned)((p.num_q_heads + h - 1) / h), (unsigned)num_seqs);
-  HK_CHECK(launch_dependent(merge_kernel<T, D, G>, grid, dim3(128), 0, stream, p));
+  const int64_t rows = p.split_target > 0 ? (int64_t)(num_seqs + p.split_target) * p.num_q_heads
+                                          : (int64_t)num_seqs * p.num_q_heads * p.num_partitions;
+  if (rows * D * 4 >= kDropPartialsBytes)
+    HK_CHECK(launch_dependent(merge_kernel<T, D, G, true>, grid, dim3(128), 0, stream, p));
+  else
+    HK_CHECK(launch_dependent(merge_kernel<T, D, G, false>, grid, dim3(128), 0, stream, p));
   return 0;
 }
 

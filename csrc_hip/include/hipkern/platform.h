@@ -267,6 +267,20 @@ HK_DEVICE void prefetch_l2(const void* gmem) {
 #endif
 }
 
+// Drop the 128-byte line at gmem (128-byte aligned, inside a scratch allocation) from L2 without
+// writing it back: discard.global.L2 on NVIDIA (sm_80 on), nothing elsewhere. The line's contents are
+// undefined until it is written again, so only for data no one reads again before rewriting it (a
+// workspace consumed once), and only after every thread that reads the line has used what it read
+// (a barrier between). Dirty scratch lines otherwise go back to DRAM when the next kernel's traffic
+// evicts them, and that kernel pays for the writes.
+HK_DEVICE void discard_l2(const void* gmem) {
+#if defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(gmem) : "memory");
+#else
+  (void)gmem;
+#endif
+}
+
 // A 16-byte global load of data read once (expert weights streamed past): on NVIDIA it bypasses
 // L1 (`ld.global.nc.L1::no_allocate`), leaving L1 to the data that is read again; elsewhere a
 // plain load. p must be 16-byte aligned and the memory unchanged while the kernel runs.
