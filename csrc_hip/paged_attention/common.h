@@ -353,7 +353,7 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   const int head = blockIdx.x * merge_heads<D, G>() + threadIdx.x / (kPerHead * G), seq = blockIdx.y;
   const int g = threadIdx.x / kPerHead % G, d = threadIdx.x % kPerHead * 4;
   int n;
-  int64_t first, stride, hstride;  // partial j of this (sequence, head): rows first + j * stride; a head on: hstride
+  int64_t first, stride, hstride;  // partial j of this (sequence, head): row first + j * stride (next head: + hstride)
   if (p.split_target > 0) {
     griddep_wait();  // seq_parts comes from the decode kernel
     n = p.seq_parts[2 * seq + 1];
@@ -440,10 +440,10 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
 
 // Partial outputs of at least this many bytes are dropped from L2 once merged (merge_kernel's kDrop).
 // Dirty, they would be written back to DRAM while the next kernel streams; the drop costs the merge
-// some tail. H100, NOTES.md (2026-11-27 (15)), with the next call streaming behind / with L2 flushed between
-// calls: 8.4 MB of them (32 x 2048 x 64:1) 40.6 -> 38.1 us / 0.3-1.0 us slower; 4 MB (1 x 32768 x 64:1,
-// 64 partitions) 0.7-0.9 us faster / 0.4-0.5 slower; 0.5 MB (1 x 16384 x 8 kv) 0.2-0.4 faster / 0.4-1.1
-// slower, hence none below 4 MB.
+// some tail. H100 (NOTES.md, 2026-11-27 (15)), with the next call streaming behind / with L2 flushed
+// between calls: 8.4 MB of them (32 x 2048 x 64:1) 40.6 -> 38.1 us / 0.3-1.0 us slower; 4 MB (1 x 32768
+// x 64:1, 64 partitions) 0.7-0.9 us faster / 0.4-0.5 slower; 0.5 MB (1 x 16384 x 8 kv, dropped in a
+// trial) 0.2-0.4 faster / 0.4-1.1 slower. Hence none below 4 MB.
 constexpr int64_t kDropPartialsBytes = 4 << 20;
 
 // The merge kernel with G partition groups, a programmatic dependent launch after the decode kernel.
