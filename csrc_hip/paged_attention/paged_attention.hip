@@ -6,8 +6,9 @@
 //             shared memory (v16, v5);
 //   kernel 2, decode_mma.h with its small configuration: 2 waves, 32-token tiles (v6).
 // A block takes one partition of one sequence's context; with several partitions (flash-decoding
-// split-K) blocks write unnormalised partials and (m, l), merged by merge_kernel; on sm_90 the matrix-
-// core kernels merge up to 8 partitions inside a thread-block cluster instead (common.h). All cache offsets
+// split-K) blocks write unnormalised partials and (m, l), merged by merge_kernel (which drops partials of
+// 4 MB or more from L2 once read, on NVIDIA); on sm_90 the matrix-core kernels merge up to 8 partitions
+// inside a thread-block cluster instead (common.h). All cache offsets
 // are 64-bit. Invalid metadata never reads out of bounds: context lengths are clamped to [0, what the
 // block table row addresses] and tokens whose block id lies outside the cache are masked.
 #include "decode_mma.h"
