@@ -353,19 +353,23 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   const int head = blockIdx.x * merge_heads<D, G>() + threadIdx.x / (kPerHead * G), seq = blockIdx.y;
   const int g = threadIdx.x / kPerHead % G, d = threadIdx.x % kPerHead * 4;
   int n;
-  int64_t first, stride, hstride;  // partial j of this (sequence, head): row first + j * stride (next head: + hstride)
+  // Partial j of this sequence's head h: row base + h * hstride + j * stride; first: this thread's head's
+  // partial 0 (the same row, kept in this form for the merge).
+  int64_t base, hstride, stride, first;
   if (p.split_target > 0) {
     griddep_wait();  // seq_parts comes from the decode kernel
     n = p.seq_parts[2 * seq + 1];
-    first = (int64_t)p.seq_parts[2 * seq] * p.num_q_heads + head;
-    stride = p.num_q_heads;
+    base = (int64_t)p.seq_parts[2 * seq] * p.num_q_heads;
     hstride = 1;
+    stride = p.num_q_heads;
+    first = base + head;
   } else {
     const int len = context_len(p, seq);
     n = (len + p.partition_size - 1) / p.partition_size;  // partials that were written
-    first = ((int64_t)seq * p.num_q_heads + head) * p.num_partitions;
-    stride = 1;
+    base = (int64_t)seq * p.num_q_heads * p.num_partitions;
     hstride = p.num_partitions;
+    stride = 1;
+    first = ((int64_t)seq * p.num_q_heads + head) * p.num_partitions;
     griddep_wait();
   }
   if (n <= 1) return;  // (the whole block: one sequence) one partition: the decode kernel wrote the output
@@ -405,12 +409,11 @@ __global__ __launch_bounds__(128) void merge_kernel(Params p) {
   // kernel streams (discard_l2). A row is D floats, a whole number of 128-byte lines.
   auto drop_partials = [&] {
     constexpr int kLines = D * 4 / 128, kHeads = merge_heads<D, G>();
-    const int h0 = blockIdx.x * kHeads, nh = min(kHeads, p.num_q_heads - h0);
-    const int64_t row0 = first - (int64_t)(head - h0) * hstride;  // head h0's partial 0
+    const int h0 = blockIdx.x * kHeads, h1 = min(h0 + kHeads, p.num_q_heads);
     const int line = threadIdx.x % kLines;
-    for (int h = 0; h < nh; ++h)
+    for (int h = h0; h < h1; ++h)
       for (int j = threadIdx.x / kLines; j < n; j += 128 / kLines)
-        discard_l2(p.part_o + (row0 + h * hstride + (int64_t)j * stride) * D + line * 32);
+        discard_l2(p.part_o + (base + h * hstride + (int64_t)j * stride) * D + line * 32);
   };
   static_assert(D * 4 % 128 == 0, "partial rows of whole lines");
   if constexpr (G > 1) {  // the groups' states, then group 0 merges groups 1 .. G - 1 in order
@@ -453,10 +456,9 @@ int launch_merge(const Params& p, int num_seqs, hipStream_t stream) {
   const dim3 grid((unsigned)((p.num_q_heads + h - 1) / h), (unsigned)num_seqs);
   const int64_t rows = p.split_target > 0 ? (int64_t)(num_seqs + p.split_target) * p.num_q_heads
                                           : (int64_t)num_seqs * p.num_q_heads * p.num_partitions;
-  if (rows * D * 4 >= kDropPartialsBytes)
-    HK_CHECK(launch_dependent(merge_kernel<T, D, G, true>, grid, dim3(128), 0, stream, p));
-  else
-    HK_CHECK(launch_dependent(merge_kernel<T, D, G, false>, grid, dim3(128), 0, stream, p));
+  void (*kernel)(Params) =
+      rows * D * 4 >= kDropPartialsBytes ? merge_kernel<T, D, G, true> : merge_kernel<T, D, G, false>;
+  HK_CHECK(launch_dependent(kernel, grid, dim3(128), 0, stream, p));
   return 0;
 }
 
