@@ -25,6 +25,7 @@
 
 #include "math.h"
 #include "hipkern/launch.h"
+#include "hipkern/reduce.h"
 #include "hipkern/tma.h"
 
 namespace hk {
@@ -98,19 +99,25 @@ constexpr int64_t kSplitFloats = (int64_t)M::kRows * M::kToks;
 struct Plan {
   int n_mblocks, base, split, kss /* stages per part */, items;
 };
+// Called by every thread, with all the lanes of its wave (they weigh the splits together).
 HK_DEVICE Plan plan(const GemmParams& p, int bm, int ks_total, int grid) {
   Plan pl;
   int nm = *p.num_post / bm;
   pl.n_mblocks = nm < 0 ? 0 : nm > p.max_mblocks ? p.max_mblocks : nm;
   pl.base = pl.n_mblocks * p.n_tiles;
-  int best = 1, best_rounds = (pl.base + grid - 1) / grid;
-  for (int s = 2; s <= kMaxSplit && s <= ks_total && (int64_t)pl.base * s <= p.max_split_items; ++s) {
-    const int rounds = (int)(((int64_t)pl.base * s + grid - 1) / grid);
-    if ((int64_t)rounds * best < (int64_t)best_rounds * s) {  // rounds / s < best_rounds / best
-      best = s;
-      best_rounds = rounds;
-    }
-  }
+  // Lane s - 1 weighs the split s: its rounds ceil(base * s / grid), per part as an exact multiple of
+  // 1 / 720720 (720720 = lcm(1..16)), with s below it, so that the wave's least key is the least rounds / s
+  // and the smallest s among equals (the choice of a loop over s). The plan is on the way to a block's first
+  // copy; weighed one split after the other, each a 64-bit division, skewed DeepSeek-like 8 and 32 tokens
+  // took 1.3-3.7 us longer (H100, NOTES.md, 2026-11-27 (16)).
+  static_assert(kMaxSplit <= 16 && kMaxSplit <= kWaveSize, "a lane per split, 720720 divisible by each");
+  const int s = lane_id() + 1;
+  const int64_t work = (int64_t)pl.base * s;
+  const bool ok = s == 1 || (s <= kMaxSplit && s <= ks_total && work <= p.max_split_items);
+  const uint32_t w = ok ? (uint32_t)work : 0u, g = (uint32_t)grid;  // base * s < 2^31 where ok
+  const uint32_t rounds = w / g + (w % g != 0);
+  const uint64_t key = ok ? ((uint64_t)rounds * (720720u / (uint32_t)s) << 5 | (uint32_t)(s - 1)) : ~0ull;
+  const int best = (int)(~group_max_u64(~key) & 31) + 1;
   pl.kss = (ks_total + best - 1) / best;
   pl.split = (ks_total + pl.kss - 1) / pl.kss;
   pl.items = pl.base * pl.split;
