@@ -58,6 +58,20 @@ def test_both_paths_around_the_threshold(n_pairs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_pairs", [1, 255, 256, 257])
+@pytest.mark.parametrize("e", [255, 256, 257])
+def test_one_step_kernel_around_its_bounds(n_pairs, e):
+    """Up to 256 pairs over up to 256 experts take the one-block kernel of one step of pairs a wave and one
+    expert a thread; one more pair or expert, the general one-block kernel. Both match the reference on
+    each side of both bounds, with the pairs spread over the experts or piled onto three."""
+    torch.manual_seed(n_pairs * 1000 + e)
+    for hi in (e, 3):
+        ids = torch.randint(0, hi, (n_pairs, 1), device="cuda", dtype=torch.int32)
+        for bm in (1, 32):
+            _check(ids, e, bm, _run(ids, e, bm))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t,k,e,bm", [(32, 8, 256, 32), (129, 9, 257, 16), (3000, 8, 64, 64)])
 @pytest.mark.parametrize("offset", [0, 1, 2, 3])
 def test_sorted_ids_at_any_4_byte_offset(t, k, e, bm, offset):

@@ -16,7 +16,8 @@
 //   Counts -> per-wave exclusive prefixes -> cursors; a second walk writes each pair at its
 //   expert's cursor plus its rank and advances the cursor. Order within an expert is thus the
 //   pair order: waves in order, steps in order, lanes in order.
-// Single block (num_pairs <= kOneBlockMaxPairs): count, layout and scatter in one kernel.
+// Single block (num_pairs <= kOneBlockMaxPairs): count, layout and scatter in one kernel (an instance of
+// one step a wave and one expert a thread for at most kThreads pairs and experts).
 // Larger: count (a histogram per chunk of kChunk pairs) -> scan (one block per expert, the
 // chunks' exclusive prefixes) -> scatter (one block per chunk: layout, per-wave ranks, writes).
 #include "hipkern/error.h"
@@ -131,8 +132,9 @@ HK_DEVICE void counts_to_cursors(const Args& a, RankSmem& s, Offset chunk_offset
 
 // From s.tot: s.base (padded segment sizes scanned in expert order). Then block `blk` of `nblk`
 // writes its share of expert_ids, of the segments' padding and of the tail; block 0 num_post.
+// kPer: experts a thread scans (E <= kPer * kThreads).
+template <int kPer = kMaxExperts / kThreads>
 HK_DEVICE void layout(const Args& a, RankSmem& s, int blk, int nblk) {
-  constexpr int kPer = kMaxExperts / kThreads;
   const int E = a.num_experts, bm = a.block_m;
   int padded[kPer];
   int sum = 0;
@@ -201,13 +203,15 @@ struct ChunkOffset {
   HK_DEVICE int operator()(int e) const { return hist[(int64_t)e * num_chunks + chunk]; }
 };
 
+// kSteps: a wave's steps of pairs (num_pairs <= kSteps * kThreads); kPer: layout()'s experts a thread.
+template <int kSteps, int kPer>
 __global__ __launch_bounds__(kThreads) void one_block_kernel(Args a) {
   __shared__ RankSmem s;
   griddep_launch_dependents();  // a consumer launched with launch_dependent (fused_moe) may be scheduled now
   const int w = threadIdx.x / kWaveSize;
   int lo, len;
   wave_range(0, a.num_pairs, lo, len);
-  WavePairs<kOneBlockMaxPairs / kThreads> pairs;
+  WavePairs<kSteps> pairs;
   pairs.load(a, lo, len);
   zero_counts(a, s);
   __syncthreads();
@@ -219,7 +223,7 @@ __global__ __launch_bounds__(kThreads) void one_block_kernel(Args a) {
     s.tot[e] = t;
   }
   __syncthreads();
-  layout(a, s, 0, 1);
+  layout<kPer>(a, s, 0, 1);
   counts_to_cursors(a, s, NoOffset());
   __syncthreads();
   pairs.scatter(a, s.cnt[w]);
@@ -316,7 +320,15 @@ HK_EXPORT int hk_moe_sorting(const int32_t* ids, const int32_t* expert_map, int3
          num_pairs, num_experts, block_m, max_padded, chunks, bits};
   hipStream_t s = static_cast<hipStream_t>(stream);
   if (num_pairs <= kOneBlockMaxPairs) {
-    hipLaunchKernelGGL(one_block_kernel, dim3(1), dim3(kThreads), 0, s, a);
+    // Up to a step a wave (a decode batch's pairs: DeepSeek-like 32 tokens x top-8) and 256 experts, the
+    // kernel of one step and one expert a thread. The general one's 32 predicated steps of loads and 4
+    // experts a thread in the layout made 28 % of such a call's instructions, on fused_moe's path (H100,
+    // NOTES.md, 2026-11-27 (16)).
+    if (num_pairs <= kThreads && num_experts <= kThreads)
+      hipLaunchKernelGGL((one_block_kernel<1, 1>), dim3(1), dim3(kThreads), 0, s, a);
+    else
+      hipLaunchKernelGGL((one_block_kernel<kOneBlockMaxPairs / kThreads, kMaxExperts / kThreads>), dim3(1),
+                         dim3(kThreads), 0, s, a);
     HK_CHECK_LAUNCH("moe_sorting one_block_kernel");
     return 0;
   }
