@@ -72,13 +72,15 @@ HK_DEVICE void route(const int32_t* ids, const int32_t* expert_map, int n, int n
 // out[t][4c .. 4c + 3] = the sum of y over t's kept pairs in slot order (no float atomics), over a
 // grid-stride loop of this grid. kSlots slots at a time: their ids, then their y rows (L2 hits), each
 // group of loads issued together before any is used; one slot at a time they ran as an ids, a map and
-// a y round trip in series.
-template <typename T, int kThreads>
+// a y round trip in series. wait_y() runs once per thread with work, before its first y load and after
+// its first ids (which the GEMMs do not write): the standalone combine waits there for the down GEMM.
+template <typename T, int kThreads, typename WaitY>
 HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* expert_map, int num_experts, T* out,
-                            int64_t num_tokens, int topk, int dim) {
+                            int64_t num_tokens, int topk, int dim, WaitY wait_y) {
   constexpr int kSlots = 8;
   const int quads = dim / 4;
   const int64_t n = num_tokens * quads;
+  bool waited = false;
   for (int64_t i = blockIdx.x * (int64_t)kThreads + threadIdx.x; i < n; i += (int64_t)gridDim.x * kThreads) {
     const int64_t t = i / quads;
     const int c = (int)(i % quads) * 4;
@@ -90,6 +92,10 @@ HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* e
       bool kept[kSlots];
 #pragma unroll
       for (int b = 0; b < kSlots; ++b) kept[b] = moe_pair_kept(e[b], num_experts, expert_map);
+      if (!waited) {
+        wait_y();
+        waited = true;
+      }
       float4 v[kSlots];
 #pragma unroll
       for (int b = 0; b < kSlots; ++b)
@@ -235,7 +241,7 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   __syncthreads();
   trace_point(5);
   combine_rows<T, C::kThreads>(d.y, d.ids, d.expert_map, d.num_experts, static_cast<T*>(d.out), d.num_tokens, d.topk,
-                               d.dim);
+                               d.dim, [] {});  // y is complete: the grid barrier above
   if (threadIdx.x == 0 && atomicAdd(left, 1) == G - 1) {  // everyone is past the barrier: reset
     for (int i = 0; i < kDecodeCounters; ++i) d.sync[i] = 0;
     __threadfence();

@@ -206,9 +206,12 @@ struct InterLayout {
 __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y, const int32_t* ids,
                                                                   const int32_t* expert_map, int num_experts,
                                                                   T* out, int64_t num_tokens, int topk, int dim) {
-  hk::griddep_wait();  // y comes from the down GEMM
-  hk::fused_moe::trace_point(6);
-  hk::fused_moe::combine_rows<T, kCombineThreads>(y, ids, expert_map, num_experts, out, num_tokens, topk, dim);
+  // y comes from the down GEMM: each thread waits for it once its first ids are in (the routing is the
+  // caller's, complete before this call), so their round trip overlaps the GEMM's tail.
+  hk::fused_moe::combine_rows<T, kCombineThreads>(y, ids, expert_map, num_experts, out, num_tokens, topk, dim, [] {
+    hk::griddep_wait();
+    hk::fused_moe::trace_point(6);
+  });
   hk::fused_moe::trace_point(7);
 }
 }  // namespace
