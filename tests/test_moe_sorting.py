@@ -62,8 +62,9 @@ def test_both_paths_around_the_threshold(n_pairs):
 @pytest.mark.parametrize("e", [255, 256, 257])
 def test_one_step_kernel_around_its_bounds(n_pairs, e):
     """Up to 256 pairs over up to 256 experts take the one-block kernel of one step of pairs a wave and one
-    expert a thread; one more pair or expert, the general one-block kernel. Both match the reference on
-    each side of both bounds, with the pairs spread over the experts or piled onto three."""
+    expert a thread; one more pair, the general one-block kernel (still one expert a thread up to 256
+    experts); one more expert, four experts a thread. Each matches the reference on each side of both
+    bounds, with the pairs spread over the experts or piled onto three."""
     torch.manual_seed(n_pairs * 1000 + e)
     for hi in (e, 3):
         ids = torch.randint(0, hi, (n_pairs, 1), device="cuda", dtype=torch.int32)

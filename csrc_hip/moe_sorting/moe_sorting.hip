@@ -16,8 +16,8 @@
 //   Counts -> per-wave exclusive prefixes -> cursors; a second walk writes each pair at its
 //   expert's cursor plus its rank and advances the cursor. Order within an expert is thus the
 //   pair order: waves in order, steps in order, lanes in order.
-// Single block (num_pairs <= kOneBlockMaxPairs): count, layout and scatter in one kernel (an instance of
-// one step a wave and one expert a thread for at most kThreads pairs and experts).
+// Single block (num_pairs <= kOneBlockMaxPairs): count, layout and scatter in one kernel (instances of
+// one step a wave for at most kThreads pairs, and of one expert a thread for at most kThreads experts).
 // Larger: count (a histogram per chunk of kChunk pairs) -> scan (one block per expert, the
 // chunks' exclusive prefixes) -> scatter (one block per chunk: layout, per-wave ranks, writes).
 #include "hipkern/error.h"
@@ -68,7 +68,8 @@ HK_DEVICE int expert_at(const Args& a, int begin, int off, int len) {
 }
 
 // One wave's pairs [lo, lo + len), len <= kSteps * wave size, with their experts in registers
-// (all loads issued up front): lane l holds pairs lo + s * wave size + l.
+// (all loads issued up front, then checked): lane l holds pairs lo + s * wave size + l. Steps past len
+// are neither loaded nor walked (e[s] unset there).
 template <int kSteps>
 struct WavePairs {
   int e[kSteps];
@@ -78,7 +79,16 @@ struct WavePairs {
     lo = lo_;
     len = len_;
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) e[s] = expert_at(a, lo, s * kWaveSize + lane_id(), len);
+    for (int s = 0; s < kSteps; ++s) {
+      if (s * kWaveSize >= len) break;  // the same on every lane
+      const int off = s * kWaveSize + lane_id();
+      e[s] = off < len ? a.ids[lo + off] : a.num_experts;
+    }
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {  // (a check in the loop above would wait for each load in turn)
+      if (s * kWaveSize >= len) break;
+      if (!moe_pair_kept(e[s], a.num_experts, a.expert_map)) e[s] = a.num_experts;
+    }
   }
 
   // cnt[x] += this wave's pairs of expert x (cnt: the wave's own row).
@@ -324,11 +334,15 @@ HK_EXPORT int hk_moe_sorting(const int32_t* ids, const int32_t* expert_map, int3
     // kernel of one step and one expert a thread. The general one's 32 predicated steps of loads and 4
     // experts a thread in the layout made 28 % of such a call's instructions, on fused_moe's path (H100,
     // NOTES.md, 2026-11-27 (16)).
+    // Beyond 256 pairs a wave's steps past its share are skipped (WavePairs::load); the layout still
+    // scans one expert a thread where there are at most 256 experts.
+    constexpr int kSteps = kOneBlockMaxPairs / kThreads;
     if (num_pairs <= kThreads && num_experts <= kThreads)
       hipLaunchKernelGGL((one_block_kernel<1, 1>), dim3(1), dim3(kThreads), 0, s, a);
+    else if (num_experts <= kThreads)
+      hipLaunchKernelGGL((one_block_kernel<kSteps, 1>), dim3(1), dim3(kThreads), 0, s, a);
     else
-      hipLaunchKernelGGL((one_block_kernel<kOneBlockMaxPairs / kThreads, kMaxExperts / kThreads>), dim3(1),
-                         dim3(kThreads), 0, s, a);
+      hipLaunchKernelGGL((one_block_kernel<kSteps, kMaxExperts / kThreads>), dim3(1), dim3(kThreads), 0, s, a);
     HK_CHECK_LAUNCH("moe_sorting one_block_kernel");
     return 0;
   }
