@@ -1,8 +1,8 @@
 """Prebuild every module: ``python -m hipkern.build [--arch gfx942|sm_90|...] [--jobs N]``.
 
 Uses the same builder as the first call of an op (same cache, same keys), so a prebuilt cache is
-what ops load. Prints per kernel and target the registers/VGPRs, shared memory/LDS and spills, and
-exits non-zero if any module fails to build or to load.
+what ops load. Prints per kernel and target the registers/VGPRs, shared memory/LDS, spills and local
+memory (stack frame / scratch), and exits non-zero if any module fails to build or to load.
 """
 from __future__ import annotations
 
@@ -57,9 +57,13 @@ def main(argv=None) -> int:
             reg = "VGPRs" if jit.platform_of(arch) == "rocm" else "regs"
             shm = "LDS" if jit.platform_of(arch) == "rocm" else "smem"
             spill = "VGPRspill" if jit.platform_of(arch) == "rocm" else "spills(B)"
-            print(f"    {reg:>5} {shm + '(B)':>8} {spill:>12}  kernel")
+            # Local memory: a stack frame (CUDA) or scratch per lane (ROCm) beyond the spills is a register
+            # array indexed at run time (or a spill the count above misses).
+            stack = "scratch(B)" if jit.platform_of(arch) == "rocm" else "stack(B)"
+            print(f"    {reg:>5} {shm + '(B)':>8} {spill:>12} {stack:>10}  kernel")
             for k in res.resources:
-                print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12}  {_short(k['kernel'])}")
+                local = k.get("stack_bytes", k.get("scratch_bytes", 0))
+                print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12} {local:>10}  {_short(k['kernel'])}")
         print(f"== {arch}: done in {time.perf_counter() - t0:.1f}s, {failures} failures so far ==")
     return 1 if failures else 0
 
