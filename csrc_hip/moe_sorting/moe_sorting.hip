@@ -31,7 +31,10 @@ constexpr int kThreads = 256;
 constexpr int kWaves = kThreads / kWaveSize;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxBlockM = 1024;
-constexpr int kOneBlockMaxPairs = 8192;
+// Above this many pairs the multi-block path. H100, CUDA-graph replay (NOTES.md, 2026-11-27 (17)): one block
+// took 20.2 / 24.2 us for 6144 / 8192 pairs over 256 experts against 15.2 / 14.7 in three kernels, and 11.4
+// against 10.0 for 8192 over 8; at 4096 pairs one block is level (256 experts) or faster (8: 7.4 against 10.1).
+constexpr int kOneBlockMaxPairs = 4096;
 constexpr int kChunk = 2048;  // pairs per block of the multi-block path
 static_assert(kMaxExperts % kThreads == 0, "experts per thread in the layout scan");
 static_assert(kOneBlockMaxPairs % kThreads == 0 && kChunk % kThreads == 0, "whole steps per lane");
