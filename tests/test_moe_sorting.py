@@ -3,11 +3,13 @@ import pytest
 import torch
 
 import hipkern
+from conftest import toolchain_or_skip
+from hipkern import jit
 from hipkern.ops.moe_sorting import moe_sorting_max_padded
 from hipkern.reference import moe_sorting_ref
 from hipkern.testing import poison
 
-ONE_BLOCK_MAX_PAIRS = 4096  # csrc_hip/moe_sorting: larger inputs take the multi-block path
+ONE_BLOCK_MAX_PAIRS = 4096  # csrc_hip/moe_sorting: larger inputs take the multi-block path (checked below)
 
 
 def _routing(t, k, e, device="cuda"):
@@ -46,6 +48,18 @@ def test_matches_reference(e, bm):
             _check(ids, e, bm, _run(ids, e, bm))
             functional = hipkern.moe_sorting(ids, e, bm)  # outputs from the allocator
             _check(ids, e, bm, functional)
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_threshold_constant_is_the_modules(arch, jit_dir, tmp_path):
+    """The bound the path tests below aim at is the module's own: no workspace (one block) up to
+    ONE_BLOCK_MAX_PAIRS pairs, a workspace (the multi-block path) from one more. Runs without a GPU."""
+    toolchain_or_skip(arch, tmp_path)
+    mod = jit.load(jit.spec("moe_sorting"), arch)
+    for e in (8, 256, 1024):
+        assert mod.hk_moe_sorting_workspace(ONE_BLOCK_MAX_PAIRS, e) == 0
+        assert mod.hk_moe_sorting_workspace(ONE_BLOCK_MAX_PAIRS + 1, e) > 0
 
 
 @pytest.mark.gpu
