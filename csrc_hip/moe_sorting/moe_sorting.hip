@@ -334,11 +334,9 @@ HK_EXPORT int hk_moe_sorting(const int32_t* ids, const int32_t* expert_map, int3
   hipStream_t s = static_cast<hipStream_t>(stream);
   if (num_pairs <= kOneBlockMaxPairs) {
     // Up to a step a wave (a decode batch's pairs: DeepSeek-like 32 tokens x top-8) and 256 experts, the
-    // kernel of one step and one expert a thread. The general one's 32 predicated steps of loads and 4
-    // experts a thread in the layout made 28 % of such a call's instructions, on fused_moe's path (H100,
-    // NOTES.md, 2026-11-27 (16)).
-    // Beyond 256 pairs a wave's steps past its share are skipped (WavePairs::load); the layout still
-    // scans one expert a thread where there are at most 256 experts.
+    // kernel of one step and one expert a thread: fewer registers and instructions on fused_moe's path
+    // (H100, NOTES.md, 2026-11-27 (16)). Beyond that the kSteps instance, whose waves skip the steps past
+    // their share (WavePairs::load), with one expert a thread in the layout up to 256 experts, four above.
     constexpr int kSteps = kOneBlockMaxPairs / kThreads;
     if (num_pairs <= kThreads && num_experts <= kThreads)
       hipLaunchKernelGGL((one_block_kernel<1, 1>), dim3(1), dim3(kThreads), 0, s, a);
