@@ -267,12 +267,19 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
 // (per-head weights). In a merged cluster (cluster_merged; ml_s: kClusterFloats<kRows> floats of
 // shared memory) the partial stays in shared memory (a_w's first state, ml_s) for cluster_merge
 // instead.
-template <typename T, int D, int kStates, int kRows, int kThreads, int kLd = D, int kOStates = kStates>
+template <typename T, int D, int kStates, int kRows, int kThreads, int kLd = D, int kOStates = kStates,
+          bool kBulk = false>
 HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const BlockWork& w,
                       float* ml_s = nullptr) {
   static_assert(D % 4 == 0 && kLd % 4 == 0 && (2 * kStates * kRows) % 4 == 0, "16-byte rows of a_w");
   static_assert(kOStates == kStates || kOStates == 1, "an output per state, or one for all");
+  static_assert(!kBulk || (kOStates == 1 && kTma), "bulk stores of one output state (sm_90a)");
   const bool in_cluster = ml_s != nullptr && cluster_merged(p, w);
+  // kBulk (the caller fenced a_w for the async proxy before its barrier): a partial outside a cluster is
+  // a_w's rows as they are, so head h's thread sends its row by one bulk store after its (m, l): no
+  // second barrier and no loop of loads and stores (H100, NOTES.md, 2026-11-28: 32 x 2048 x 64:1's blocks
+  // end 1.8 us after their loops, 2.6 through that loop; most of what is left is the 64 KB written).
+  const bool bulk = kBulk && w.partial && !in_cluster;
   if (threadIdx.x < w.nh) {  // per head: each state's weight (into m_w), and the output scale (l_w[h])
     const int h = threadIdx.x;
     float M = -INFINITY, L = 0.f;
@@ -292,10 +299,19 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
       const int64_t r = partial_row(p, w, h);
       p.part_ml[2 * r] = M;
       p.part_ml[2 * r + 1] = L;
+      if (bulk) {
+        bulk_store(p.part_o + r * D, a_w + h * kLd, D * sizeof(float));
+        bulk_store_commit();
+        bulk_store_wait_read();  // (the shared memory stays the block's until then)
+      }
     } else if (p.lse) {
       p.lse[sh] = lse_of(M, L);
     }
     l_w[h] = w.partial ? 1.f : L > 0.f ? 1.f / L : 0.f;
+  }
+  if (bulk) {
+    trace_point(4);
+    return;
   }
   if constexpr (kOStates == 1) {  // a_w holds the cluster merge's outputs as they are (its barrier orders ml_s)
     if (in_cluster) {

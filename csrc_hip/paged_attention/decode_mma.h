@@ -30,7 +30,8 @@
 // memory, and O += P V with P from registers (the accumulators turned into A fragments, as for
 // mma.sync) and V read as an MN-major operand, so no K, V or Q fragment passes through registers.
 // Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and no P goes through shared
-// memory.
+// memory. At head size 256 (Cfg::kWgCols) both warpgroups compute S for the whole tile and each
+// O += P V for half the columns: one (m, l) and no outputs to merge at the end.
 // Tensor-map boxes (sm_90a, hipkern/tma.h; Cfg::kBoxes): each group of kBoxRows tokens of a K or V
 // tile (16; 8 for the 64-head blocks) is one box of a cache block (those tokens, one KV head, all
 // columns) issued by the thread of the group's first row, completion counted on the stage's mbarrier,
@@ -83,8 +84,17 @@ struct Cfg {
   // (On CDNA head size 256 does not fit the LDS: the split compiles there but never runs. The
   // exchanges are block barriers: with WM > 1 they would couple the head tiles.)
   static constexpr bool kSplitD = !kWg && D >= 256 && WN >= 4;
-  static constexpr int kOCols = kSplitD ? D / WN : D;  // output columns a wave holds
-  static constexpr int kOStates = kSplitD ? 1 : WN;    // output states the block's end merges
+  // kWgCols (the 64-head wgmma blocks at head size 256): each warpgroup computes S = Q K^T for the
+  // whole tile, the same bits in both, and O += P V for its D / 2 columns with P from its registers,
+  // so no P passes through shared memory, the warpgroups share one (m, l), and the block's end merges
+  // no outputs (64 KB of them a warpgroup otherwise) and sends a partial by bulk stores (finish()).
+  // Twice the QK^T and exponentials a tile; 197 -> 161 registers. H100 (NOTES.md, 2026-11-28): 8 /
+  // 32 x 2048 x 64:1 0.6 / 0.4 us faster, 16 x 2048 and 64 x 4096 0.2 us slower, 1 x 32768 level.
+  static constexpr bool kWgCols = kWg && D >= 256;
+  static constexpr int kSTok = kWgCols ? kTile : kSlice;             // tokens of a wave's S
+  static constexpr int kOCols = kSplitD || kWgCols ? D / WN : D;     // output columns a wave holds
+  static constexpr int kOStates = kSplitD || kWgCols ? 1 : WN;       // output states the block's end merges
+  static constexpr int kMLStates = kWgCols ? 1 : WN;                 // (m, l) states it merges
   static constexpr int kLdP = kTile + 8;
   static constexpr int kRows = 16 * WM;      // query heads per block
   typedef Sw128<T, D> L;                     // the layout of Q, K and V rows where kWg
@@ -122,7 +132,7 @@ struct Cfg {
   static constexpr int kBarAt = kOffAt + kOffsets + kFlags;
   static constexpr int bytes = kBarAt + (kBoxes ? 8 * kStages : 0);
   static constexpr int kCopies = kTile * kChunks / kThreads;  // 16-byte K (and V) copies per thread per tile
-  static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSlice % MT::N == 0 && kOCols % MT::N == 0,
+  static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSTok % MT::N == 0 && kOCols % MT::N == 0,
                 "wave layout");
   static_assert(bytes <= 227 * 1024 - 1024, "fits an sm_90 block's shared memory with 1 KB of static");
   static_assert(!kWg || (kRows == 64 && kWaves == 8 && kQAt % 1024 == 0 && kPipeAt % 1024 == 0 &&
@@ -140,7 +150,7 @@ template <typename T, int D, int WM, bool kSmall>
 __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_kernel(const HK_GRID_CONSTANT Params p) {
   typedef Cfg<T, D, WM, kSmall> C;
   typedef typename C::MT MT;
-  constexpr int kNS = C::kSlice / MT::N;  // score tiles per wave
+  constexpr int kNS = C::kSTok / MT::N;   // score tiles per wave
   constexpr int kND = C::kOCols / MT::N;  // output tiles per wave
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms (where kWg)
   T* q_s = reinterpret_cast<T*>(smem_raw + C::kQAt);
@@ -362,25 +372,26 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     }
 
     const int buf = tile % C::kStages;
-    const T* ks = k_s + (buf * C::kTile + wn * C::kSlice) * C::kLdKV;  // (boxes: kb + kv_at(row, chunk))
-    const T* vs = v_s + (buf * C::kTile + wn * C::kSlice) * C::kLdKV;
+    const int s0 = C::kWgCols ? 0 : wn * C::kSlice;  // the wave's first token of S
+    const T* ks = k_s + (buf * C::kTile + s0) * C::kLdKV;  // (boxes: kb + kv_at(row, chunk))
+    const T* vs = v_s + (buf * C::kTile + s0) * C::kLdKV;
     const T* kb = k_s + buf * C::kTile * C::kLdKV;
     const T* vb = v_s + buf * C::kTile * C::kLdKV;
     const int lr = lane_id() % 16;  // the row (of 16) whose address this lane gives ldmatrix
-    const uint8_t* ok = ok_s + buf * C::kTile + wn * C::kSlice;
+    const uint8_t* ok = ok_s + buf * C::kTile + s0;
 
     typename MT::C s[kNS];  // S = Q K^T, this wave's heads x tokens
 #pragma unroll
     for (int j = 0; j < kNS; ++j)
 #pragma unroll
       for (int i = 0; i < MT::kC; ++i) s[j][i] = 0.f;
-    if constexpr (C::kWg) {  // the warpgroup's 64 heads x kSlice tokens (ks: the slice's first row, atom-aligned)
+    if constexpr (C::kWg) {  // the warpgroup's 64 heads x kSTok tokens (ks: the first row, atom-aligned)
       float(&d)[kNS * MT::kC] = *reinterpret_cast<float(*)[kNS * MT::kC]>(&s[0][0]);
       const uint64_t dq = wgmma_desc_sw128(q_s, C::L::kSbo), dk = wgmma_desc_sw128(ks, C::L::kSbo);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        Wgmma<T, C::kSlice>::mma(d, wgmma_desc_add(dq, C::L::k16(kk) * sizeof(T)),
+        Wgmma<T, C::kSTok>::mma(d, wgmma_desc_add(dq, C::L::k16(kk) * sizeof(T)),
                                  wgmma_desc_add(dk, C::L::k16(kk) * sizeof(T)));
       wgmma_commit();
       wgmma_wait<0>();
@@ -425,16 +436,18 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
         mx[MT::row_slot(i)] = v;
       }
     }
-    // Where a thread holds 128 output accumulators or more (kLazy: on NVIDIA the 64- and 32-head blocks and
-    // v6 at head size 256; nothing on CDNA, whose 16-column tiles leave at most 64), the state moves to the
+    // Where a thread holds 128 output accumulators or more (kLazy: on NVIDIA the 32-head blocks and v6 at
+    // head size 256; nothing on CDNA, whose 16-column tiles leave at most 64), the state moves to the
     // new max only when one of the wave's rows rose more than kRescaleSlack above its m (always on the first
     // tile: m is -inf), so most tiles skip the output's rescale. The test is uniform over the wave, and each
-    // lazy configuration keeps a state per wave (its rows, P and outputs); under kSplitD, never lazy, the
-    // waves of a head tile would decide alike (same rows, m and exchanged maxima). H100 (NOTES.md, 2026-11-27
+    // lazy configuration keeps a state per wave (its rows, P and outputs), or under kWgCols the two waves
+    // that hold the same rows decide alike (the same S bits and m); under kSplitD, never lazy, the waves of
+    // a head tile would decide alike too (same rows, m and exchanged maxima). H100 (NOTES.md, 2026-11-27
     // (14)): 64:1 x 256 shapes 0.1-0.9 us faster. With 64 (16-head blocks at head size 128) or 32 (the column
     // split) it measured level or 0.2-0.4 us slower: a short rescale is cheaper than the test in each tile's
-    // chain, so those rescale every tile.
-    constexpr bool kLazy = kND * MT::kC >= 128;
+    // chain, so those rescale every tile. kWgCols (64 a thread, with twice the exponentials in the chain)
+    // is lazy: up to 0.35 us faster than rescaling every tile on four of five 64:1 shapes (NOTES.md, 2026-11-28).
+    constexpr bool kLazy = kND * MT::kC >= 128 || C::kWgCols;
     bool grow = true;
     if constexpr (kLazy) {
       grow = false;
@@ -468,19 +481,21 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       }
     if constexpr (!kLazy) rescale_o();
 
-    if constexpr (C::kWg) {  // O += P V: per 16 tokens, the D columns in instructions of kN
-      constexpr int kN = D < 128 ? D : 128;
-      typename MT::A a[C::kSlice / 16];  // made before the fence: registers wgmma reads
+    if constexpr (C::kWg) {  // O += P V: per 16 tokens, the wave's kOCols columns in instructions of kN
+      constexpr int kN = C::kOCols < 128 ? C::kOCols : 128;
+      const int c0 = C::kWgCols ? wn * C::kOCols : 0;  // the wave's first output column
+      typename MT::A a[C::kSTok / 16];  // made before the fence: registers wgmma reads
 #pragma unroll
-      for (int kk = 0; kk < C::kSlice / 16; ++kk) MT::a_from_c(a[kk], &s[kk * 16 / MT::N], tmp);
+      for (int kk = 0; kk < C::kSTok / 16; ++kk) MT::a_from_c(a[kk], &s[kk * 16 / MT::N], tmp);
       const uint64_t dv = wgmma_desc_sw128(vs, C::L::kSbo, C::L::kLbo);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < C::kSlice / 16; ++kk)
+      for (int kk = 0; kk < C::kSTok / 16; ++kk)
 #pragma unroll
-        for (int h = 0; h < D / kN; ++h) {
+        for (int h = 0; h < C::kOCols / kN; ++h) {
           float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&o[h * kN / MT::N][0]);
-          Wgmma<T, kN>::mma_rt(d, a[kk].r, wgmma_desc_add(dv, C::kv_at(16 * kk, h * kN / C::kVec) * sizeof(T)));
+          Wgmma<T, kN>::mma_rt(d, a[kk].r,
+                               wgmma_desc_add(dv, C::kv_at(16 * kk, (c0 + h * kN) / C::kVec) * sizeof(T)));
         }
       wgmma_commit();
       wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier
@@ -534,16 +549,18 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const int row0 = wn * C::kRows + wm * MT::M;
 #pragma unroll
   for (int i = 0; i < MT::kC; ++i) {
-    if (MT::c_col(i) == 0) {
+    if (MT::c_col(i) == 0 && (C::kMLStates == C::WN || wn == 0)) {  // (kWgCols: both warpgroups hold the same)
       m_w[row0 + MT::c_row(i)] = m[MT::row_slot(i)];
       l_w[row0 + MT::c_row(i)] = l[MT::row_slot(i)];
     }
   }
-  float* o_w = C::kSplitD ? a_w + wm * MT::M * C::kLdA + wn * C::kOCols : a_w + row0 * C::kLdA;
+  float* o_w = C::kOStates == 1 ? a_w + wm * MT::M * C::kLdA + wn * C::kOCols : a_w + row0 * C::kLdA;
 #pragma unroll
   for (int n = 0; n < kND; ++n) MT::store_c(o_w + n * MT::N, C::kLdA, o[n]);
+  constexpr bool kBulk = C::kOStates == 1 && C::kBoxes;  // a partial leaves by bulk stores (finish())
+  if constexpr (kBulk) fence_async_shared();
   __syncthreads();
-  finish<T, D, C::WN, C::kRows, C::kThreads, C::kLdA, C::kOStates>(p, m_w, l_w, a_w, work, ml_s);
+  finish<T, D, C::kMLStates, C::kRows, C::kThreads, C::kLdA, C::kOStates, kBulk>(p, m_w, l_w, a_w, work, ml_s);
   trace_point(6);
 }
 

@@ -23,6 +23,12 @@
 //   tma_prefetch_map(map)       ask for the map's descriptor ahead of the first copy that uses it
 //                               (one thread, at the kernel's start: the fetch then overlaps the loads
 //                               the first copy waits for, not the copy itself)
+//   bulk_store(dst, src, bytes)  `bytes` (a multiple of 16, both addresses 16-byte aligned) of shared
+//                               memory to global memory by the TMA unit, in this thread's bulk group; the
+//                               threads that wrote src run fence_async_shared() (hipkern/wgmma.h) before a
+//                               block barrier that precedes it
+//   bulk_store_commit(); bulk_store_wait_read()   close this thread's group; wait until its sources have
+//                               been read (then the shared memory may be rewritten or the block leave)
 // Elsewhere the device helpers compile to nothing and encode_tensor_map reports "not supported":
 // callers keep their copies there (kTma false).
 #pragma once
@@ -94,6 +100,14 @@ HK_DEVICE void tma_load_5d(void* dst, const TensorMap* map, int c0, int c1, int 
       : "memory");
   (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)c3, (void)c4, (void)bar;
 }
+
+HK_DEVICE void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  HK_TMA_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
+             : "memory");
+  (void)dst, (void)src, (void)bytes;
+}
+HK_DEVICE void bulk_store_commit() { HK_TMA_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
+HK_DEVICE void bulk_store_wait_read() { HK_TMA_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 HK_DEVICE void tma_prefetch_map(const TensorMap* map) {
   HK_TMA_ASM("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
