@@ -560,7 +560,8 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   constexpr bool kBulk = C::kOStates == 1 && C::kBoxes;  // a partial leaves by bulk stores (finish())
   if constexpr (kBulk) fence_async_shared();
   __syncthreads();
-  finish<T, D, C::kMLStates, C::kRows, C::kThreads, C::kLdA, C::kOStates, kBulk>(p, m_w, l_w, a_w, work, ml_s);
+  finish<T, D, C::kMLStates, C::kRows, C::kThreads, C::kLdA, C::kOStates, kBulk>(p, m_w, l_w, a_w, work,
+                                                                                  ml_s);
   trace_point(6);
 }
 
