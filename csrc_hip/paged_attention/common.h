@@ -278,7 +278,7 @@ HK_DEVICE void finish(const Params& p, float* m_w, float* l_w, float* a_w, const
   // kBulk (the caller fenced a_w for the async proxy before its barrier): a partial outside a cluster is
   // a_w's rows as they are, so head h's thread sends its row by one bulk store after its (m, l): no
   // second barrier and no loop of loads and stores (H100, NOTES.md, 2026-11-28: 32 x 2048 x 64:1's blocks
-  // end 1.8 us after their loops, 2.6 through that loop; most of what is left is the 64 KB written).
+  // end 1.8 us after their loops, 2.6 through that loop).
   const bool bulk = kBulk && w.partial && !in_cluster;
   if (threadIdx.x < w.nh) {  // per head: each state's weight (into m_w), and the output scale (l_w[h])
     const int h = threadIdx.x;
