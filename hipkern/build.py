@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import jit
+from .jit.toolchain import local_bytes
 
 
 def _short(name: str, width: int = 88) -> str:
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
             stack = "scratch(B)" if jit.platform_of(arch) == "rocm" else "stack(B)"
             print(f"    {reg:>5} {shm + '(B)':>8} {spill:>12} {stack:>10}  kernel")
             for k in res.resources:
-                local = k.get("stack_bytes", k.get("scratch_bytes", 0))
-                print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12} {local:>10}  {_short(k['kernel'])}")
+                print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12} {local_bytes(k):>10}  "
+                      f"{_short(k['kernel'])}")
         print(f"== {arch}: done in {time.perf_counter() - t0:.1f}s, {failures} failures so far ==")
     return 1 if failures else 0
 

@@ -15,6 +15,7 @@ from conftest import REPO, tiny_spec, toolchain_or_skip
 from hipkern import jit
 from hipkern.jit import builder
 from hipkern.jit.platform import JitError
+from hipkern.jit.toolchain import local_bytes
 
 ARCHS = ["sm_90", "gfx942"]
 pytestmark = pytest.mark.toolchain
@@ -205,8 +206,7 @@ def test_every_shipped_module_builds_and_loads(arch, jit_dir, tmp_path):
         # Local memory beyond the spills allowed: a register array indexed at run time. (A wgmma kernel's
         # accumulators indexed so went to a 512-byte stack frame: 32 x 2048 x 64:1 took 53 us against 38 on the
         # H100; paged_attention/NOTES.md, 2026-11-27 (17).)
-        local = [k for k in res.resources
-                 if k.get("stack_bytes", k.get("scratch_bytes", 0)) > allowed_spill(arch, k["kernel"])]
+        local = [k for k in res.resources if local_bytes(k) > allowed_spill(arch, k["kernel"])]
         assert not local, local
         if spec.name.startswith("topk_softmax") and not torch.cuda.is_available():
             rc = mod.hk_topk_softmax(None, None, None, 4, 8, 2, 1, 0, None)
@@ -257,6 +257,7 @@ ptxas info    : Used 32 registers"""
     rows = parse_resources("cuda", ptxas)
     assert [(r["kernel"], r["regs"], r["shared_bytes"], r["spills"], r["stack_bytes"]) for r in rows] == [
         ("k(float*)", 196, 1024, 16, 512), ("j(float*)", 32, 0, 0, 0)]
+    assert [local_bytes(r) for r in rows] == [512, 0]
     clang = """x.hip:1:1: remark: Function Name: _Z1kPf [-Rpass-analysis=kernel-resource-usage]
 x.hip:1:1: remark:     VGPRs: 88 [-Rpass-analysis=kernel-resource-usage]
 x.hip:1:1: remark:     ScratchSize [bytes/lane]: 64 [-Rpass-analysis=kernel-resource-usage]
@@ -265,3 +266,4 @@ x.hip:1:1: remark:     LDS Size [bytes/block]: 4096 [-Rpass-analysis=kernel-reso
     rows = parse_resources("rocm", clang)
     assert [(r["kernel"], r["regs"], r["shared_bytes"], r["spills"], r["scratch_bytes"]) for r in rows] == [
         ("k(float*)", 88, 4096, 0, 64)]
+    assert [local_bytes(r) for r in rows] == [64]

@@ -22,7 +22,7 @@ from pathlib import Path
 from ._lock import file_lock
 from .platform import JitError, platform_of, wave_size_of
 
-__all__ = ["Toolchain", "find_toolchain", "parse_resources"]
+__all__ = ["Toolchain", "find_toolchain", "local_bytes", "parse_resources"]
 
 # gfx942's ISA-version bitcode is gfx940's with the version constant 9400 -> 9402.
 _ISA_SIBLINGS = {"942": ("940", "9400", "9402"), "941": ("940", "9400", "9401")}
@@ -203,6 +203,12 @@ def _demangle(names):
     except OSError:
         pass
     return list(names)
+
+
+def local_bytes(row: dict) -> int:
+    """A parse_resources row's local memory in bytes: ptxas' stack frame (CUDA) or clang's scratch per lane
+    (ROCm); 0 where the row has neither (a resources.json cached before they were parsed)."""
+    return row.get("stack_bytes", row.get("scratch_bytes", 0))
 
 
 def parse_resources(platform: str, log: str) -> list[dict]:
