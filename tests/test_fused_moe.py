@@ -267,15 +267,21 @@ def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
         ids = ids.roll(1, dims=1).contiguous()
 
 
-def gemm_layouts(dtype, block_m):
-    """The grouped variant's (gated, down, short down) GEMMs on this GPU: (grid, output columns per
-    item, whether a K split of 2 sums in cluster pairs) each (hk_fused_moe_gemms)."""
+def moe_module(dtype, block_m):
     from hipkern import jit
     from hipkern.jit import modules
     dev = torch.cuda.current_device()
-    mod = jit.load(modules.spec("fused_moe", dtype=str(dtype)[6:], block_m=block_m), jit.current_arch(dev))
+    return jit.load(modules.spec("fused_moe", dtype=str(dtype)[6:], block_m=block_m), jit.current_arch(dev))
+
+
+def gemm_layouts(dtype, block_m, pairs):
+    """The grouped variant's (gated, down, short down) GEMMs on this GPU for a call of `pairs` routed
+    pairs (launched routing in their blocks where the module does at that count, else after moe_sorting):
+    (grid, output columns per item, whether a K split of 2 sums in cluster pairs) each (hk_fused_moe_gemms)."""
+    mod = moe_module(dtype, block_m)
+    routed = int(pairs <= mod.hk_fused_moe_route_pairs())
     out = (ctypes.c_int32 * 9)()
-    mod.check(mod.hk_fused_moe_gemms(dev, ctypes.addressof(out)), "fused_moe gemms")
+    mod.check(mod.hk_fused_moe_gemms(torch.cuda.current_device(), routed, ctypes.addressof(out)), "fused_moe gemms")
     return [tuple(out[3 * j:3 * j + 3]) for j in range(3)]
 
 
@@ -301,7 +307,9 @@ def test_split_k_in_two_parts(dtype, block_m):
     reference and bitwise repeatable. On sm_90 a GEMM of 2 or more blocks an SM must use the pairs."""
     if block_m not in block_ms_for(dtype):
         pytest.skip(f"block_m {block_m} is not offered for {dtype}")
-    (g1, c1, p1), (g2, c2, p2), _ = gemm_layouts(dtype, block_m)
+    tokens = (block_m, max(1, block_m // 2 - 1))
+    (g1, c1, p1), (g2, c2, p2), _ = gemm_layouts(dtype, block_m, 2 * tokens[0])
+    assert gemm_layouts(dtype, block_m, 2 * tokens[1])[:2] == [(g1, c1, p1), (g2, c2, p2)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if torch.cuda.get_device_capability() == (9, 0):
         assert p1 or g1 < 2 * sms, f"gated GEMM: {g1} blocks, no cluster pairs"
@@ -312,7 +320,7 @@ def test_split_k_in_two_parts(dtype, block_m):
     assert plan_split(2 * n1, g1) == 2 and plan_split(2 * n2, g2) == 2
     for d, i in ((1000, i_gated), (d_down, 520)):
         w1, w2 = make_weights(4, d, i, dtype, seed=d)
-        for t in (block_m, max(1, block_m // 2 - 1)):
+        for t in tokens:
             x, w = make_tokens(t, d, dtype, t), routing_weights(t, 2, t)
             ids = torch.tensor([[1, 3]], dtype=torch.int32, device="cuda").repeat(t, 1)
             res = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped", msg=f"split 2, pairs {p1}/{p2} ")
@@ -408,6 +416,53 @@ def test_expert_map_with_half_the_experts_remote(dtype, t, k, e):
     res = run_and_check(x, w1l, w2l, w, ids, expert_map=emap)
     if t > 1:
         assert (res[0] == 0).all()
+
+
+ROUTE_CASES = [  # (t, k, e, routing): the grouped chain on either side of its in-block routing limit
+    (1, 1, 8, "uniform"),         # one pair
+    (32, 8, 256, "uniform"),      # 256 pairs: the most routed in the blocks
+    (32, 8, 256, "same"),         # every token on the same 8 experts: full m-blocks
+    (33, 1, 8, "same"),           # 33 pairs on one expert: an m-block boundary at block_m 8, 16 and 32
+    (255, 1, 1024, "uniform"),    # the most experts moe_sorting takes, few pairs each
+    (36, 7, 257, "remote"),       # 252 pairs, half the experts remote, a token all remote
+    (37, 7, 257, "remote"),       # 259 pairs: moe_sorting
+    (257, 1, 8, "uniform"),       # 257 pairs: moe_sorting
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypatch):
+    """Up to hk_fused_moe_route_pairs() routed pairs the grouped chain's GEMMs group the pairs by expert
+    in their own blocks (route.h), above it they read moe_sorting's outputs. Either way the m-blocks are
+    the same, so each output must be bitwise what the chain gives through moe_sorting (forced here), as
+    well as right against the reference: both sides of the limit, one pair, full and partial m-blocks,
+    1024 experts, remote experts, and dropped ids (outside [0, E): compared with moe_sorting's only)."""
+    op = sys.modules["hipkern.ops.fused_moe"]  # the module (hipkern.ops.fused_moe is also the function's name)
+    if block_m not in block_ms_for(dtype):
+        pytest.skip(f"block_m {block_m} is not offered for {dtype}")
+    limit = moe_module(dtype, block_m).hk_fused_moe_route_pairs()
+    assert limit in (0, 256)
+    for t, k, e, routing in ROUTE_CASES:
+        x, w1, w2, w, ids = make_case(t, **ODD, e=e, k=k, dtype=dtype, seed=t * k + e)
+        emap = None
+        if routing == "same":
+            ids = (torch.arange(k, dtype=torch.int32, device="cuda") * 3 % e).repeat(t, 1)
+        elif routing == "remote":
+            emap, w1, w2, remote = half_remote(e, w1, w2, seed=t)
+            ids[0] = remote[:k].to(torch.int32)
+        res = run_and_check(x, w1, w2, w, ids, expert_map=emap, block_m=block_m, variant="grouped",
+                            msg=f"{routing} (limit {limit}) ")
+        dropped = ids.clone()
+        dropped[-1, 0], dropped[0, -1] = -1, e  # outside [0, E): dropped, never read through
+        with_dropped = hipkern.fused_moe(x, w1, w2, w, dropped, expert_map=emap, block_m=block_m, variant="grouped")
+        with monkeypatch.context() as m:
+            m.setattr(op, "_block_route_pairs", lambda mod: 0)
+            assert torch.equal(res, hipkern.fused_moe(x, w1, w2, w, ids, expert_map=emap, block_m=block_m,
+                                                      variant="grouped")), f"{t} x {k} over {e}, {routing}"
+            assert torch.equal(with_dropped, hipkern.fused_moe(x, w1, w2, w, dropped, expert_map=emap,
+                                                               block_m=block_m, variant="grouped"))
 
 
 @pytest.mark.gpu

@@ -4,8 +4,8 @@
 //
 // One persistent grid (every block resident at once: the grid is the device's resident-block
 // count, which the waits below rely on):
-//   1. every block groups the pairs by expert itself, in shared memory (route(): the layout
-//      moe_sorting would build, from at most kDecodePairs ids, so no sorting kernel);
+//   1. every block groups the pairs by expert itself, in shared memory (route_pairs(), route.h: the
+//      m-blocks moe_sorting would build, so no sorting kernel);
 //   2. the gated GEMM (gemm_phase, as the standalone launch), each finished item counted per m-block
 //      in `ready`;
 //   3. the down GEMM, whose blocks request their first weight stages at once and wait, per item,
@@ -24,50 +24,6 @@ namespace fused_moe {
 
 constexpr int kDecodePairs = 32;
 constexpr int kDecodeMaxBlockM = 64;
-
-// The pairs grouped by (global) expert in blocks of BM rows, as moe_sorting lays them out.
-template <int BM>
-struct Route {
-  int num_post;                     // padded rows in use
-  int key[kDecodePairs];            // each pair's expert, or E when it is dropped
-  int padded[kDecodePairs];         // for an expert's first pair: its padded row count, else 0
-  int expert_ids[kDecodePairs];     // per m-block: the local expert
-  int sorted[kDecodePairs * BM];    // per row: the pair, or num_pairs (padding)
-};
-
-template <int BM>
-HK_DEVICE void route(const int32_t* ids, const int32_t* expert_map, int n, int num_experts, Route<BM>& r) {
-  const int p = threadIdx.x;
-  const int e = p < n && moe_pair_kept(ids[p], num_experts, expert_map) ? ids[p] : num_experts;
-  if (p < kDecodePairs) r.key[p] = e;
-  __syncthreads();
-  const bool kept = p < n && e < num_experts;
-  int rank = 0, count = 0;  // pairs of the same expert before this one; in all
-  if (kept)
-    for (int q = 0; q < n; ++q)
-      if (r.key[q] == e) {
-        ++count;
-        rank += q < p;
-      }
-  if (p < kDecodePairs) r.padded[p] = kept && rank == 0 ? (count + BM - 1) / BM * BM : 0;
-  __syncthreads();
-  int start = 0, total = 0;  // rows of the experts before this one; of all
-  for (int q = 0; q < n; ++q) {
-    const int rows = r.padded[q];
-    total += rows;
-    if (rows && r.key[q] < e) start += rows;
-  }
-  for (int i = p; i < total; i += blockDim.x) r.sorted[i] = n;
-  if (p == 0) r.num_post = total;
-  __syncthreads();
-  if (kept) {
-    r.sorted[start + rank] = p;
-    if (rank == 0)
-      for (int b = 0; b < r.padded[p] / BM; ++b)
-        r.expert_ids[start / BM + b] = expert_map != nullptr ? expert_map[e] : e;
-  }
-  __syncthreads();
-}
 
 // out[t][4c .. 4c + 3] = the sum of y over t's kept pairs in slot order (no float atomics), over a
 // grid-stride loop of this grid. kSlots slots at a time: their ids, then their y rows (L2 hits), each
@@ -196,10 +152,9 @@ struct DecodeCfg {
   static_assert(C1::kThreads == C2::kThreads, "both GEMMs' tiles run in the same blocks");
   static constexpr int kThreads = C1::kThreads;
   static constexpr int kRouteAt = round_up(C1::bytes > C2::bytes ? C1::bytes : C2::bytes, 16);
-  static constexpr int kDoneAt = kRouteAt + round_up((int)sizeof(Route<BM>), 16);  // DownHooks::done_s
+  static constexpr int kDoneAt = kRouteAt + round_up((int)sizeof(RouteTable), 16);  // DownHooks::done_s
   static constexpr int bytes = kDoneAt + 16;
-  static_assert(kThreads >= kDecodePairs, "a thread per pair in route()");
-  static_assert(BM <= kDecodeMaxBlockM, "the routing table of kDecodePairs x BM rows stays small");
+  static_assert(kDecodePairs <= kRoutePairs, "route_pairs() takes them all");
   static_assert(kAsyncCopy || bytes <= 64 * 1024, "CDNA: fits 64 KB of LDS");
   static_assert(bytes <= 227 * 1024, "fits an sm_90 block's shared memory");
 };
@@ -208,24 +163,22 @@ struct DecodeCfg {
 template <typename T, typename M1, typename M2, int BM>
 __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmParams g1, GemmParams g2, DecodeArgs d) {
   typedef DecodeCfg<T, M1, M2, BM> C;
-  // g1 and g2 are changed here, so not grid constants: no tensor map may be read from them.
+  // g1 and g2 are not grid constants: no tensor map may be read from them.
   static_assert(!GemmCfg<T, M1, BM, true>::kTmaW && !GemmCfg<T, M2, BM, false>::kTmaW, "copies by the threads");
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms
-  Route<BM>& r = *reinterpret_cast<Route<BM>*>(smem_raw + C::kRouteAt);
+  RouteTable& r = *reinterpret_cast<RouteTable*>(smem_raw + C::kRouteAt);
   trace_point(0);
   trace_point(3);  // DownHooks overwrites it at each release; a block with no down item keeps its start
-  route(d.ids, d.expert_map, g1.num_pairs, d.num_experts, r);
+  route_pairs<C::kThreads>(d.ids, d.expert_map, g1.num_pairs, d.num_experts, BM, reinterpret_cast<int*>(smem_raw), r);
   trace_point(1);
   int* ready = d.sync;
-  g1.sorted_ids = g2.sorted_ids = r.sorted;
-  g1.expert_ids = g2.expert_ids = r.expert_ids;
-  g1.num_post = g2.num_post = &r.num_post;
-  gemm_phase<T, M1, BM, true>(g1, smem_raw, GatedHooks{ready});
+  gemm_phase<T, M1, BM, true, kGivenTable>(g1, smem_raw, GatedHooks{ready}, &r);
   trace_point(2);
   __syncthreads();  // the down phase reuses the shared memory
-  gemm_phase<T, M2, BM, false>(g2, smem_raw,
+  gemm_phase<T, M2, BM, false, kGivenTable>(g2, smem_raw,
                                 DownHooks<sizeof(T) == 2>{ready, g1.n_tiles,
-                                                          reinterpret_cast<unsigned*>(smem_raw + C::kDoneAt)});
+                                                          reinterpret_cast<unsigned*>(smem_raw + C::kDoneAt)},
+                                &r);
   trace_point(4);
 
   // Every block's down items are written: a grid barrier, then the combine.
@@ -267,8 +220,8 @@ int decode_workspace(int device, int64_t* partial_floats, int64_t* counter_ints)
   return 0;
 }
 
-// g1 / g2 as for the two standalone launches (their sorted_ids, expert_ids and num_post unused: each
-// block routes in shared memory); partials / counters as decode_workspace says.
+// g1 / g2 as for the two standalone launches (their sorted_ids, expert_ids, num_post and route_ids unused:
+// each block routes in shared memory); partials / counters as decode_workspace says.
 template <typename T, typename M1, typename M2, int BM>
 int launch_decode(GemmParams g1, GemmParams g2, DecodeArgs d, float* partials, int* counters, int device,
                   hipStream_t stream) {

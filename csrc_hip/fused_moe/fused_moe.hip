@@ -1,7 +1,8 @@
 // Fused MoE: out[t] = sum_j w[t, j] * w2[e] (act(w1[e, :I] x_t) * (w1[e, I:] x_t)), e = ids[t, j].
 //
 // Variant "grouped": after moe_sorting (its own module, called first by the op) three launches, four
-// with split-row tiles:
+// with split-row tiles (for at most kRoutePairs pairs no moe_sorting: each block of both GEMMs groups the
+// pairs by expert itself, route.h, where the tiles leave room for its table):
 //   split_rows_kernel   (float32 tiles with kPreSplit only) hidden states as split rows (math.h)
 //   gemm_kernel<Gated>  inter[p] = act(gate) * up for every routed pair p (rounded to T; split rows
 //                       with kPreSplit)
@@ -216,12 +217,13 @@ __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y
 }
 }  // namespace
 
-// Variants: kGrouped, the chain moe_sorting (its own module, called first) -> [split rows] -> gated
-// GEMM -> down GEMM -> combine; kDecode, one launch that also routes and combines (decode.h), for at most
-// kDecodePairs pairs (T * topk) and block_m <= kDecodeMaxBlockM; kGemv, two matrix-vector launches
-// (gemv.h) for at most kGemvPairs pairs, any block_m; kGemvMma, the same with an expert's pairs
-// computed together on matrix cores in both launches (16-bit types). kDecode and the gemv variants read no sorting output and use neither y
-// nor the workspace (they may be null).
+// Variants: kGrouped, the chain moe_sorting (its own module, called first; or, given no sorting outputs,
+// routing in the GEMM blocks) -> [split rows] -> gated GEMM -> down GEMM -> combine; kDecode, one launch
+// that also routes and combines (decode.h), for at most kDecodePairs pairs (T * topk) and block_m <=
+// kDecodeMaxBlockM; kGemv, two matrix-vector launches (gemv.h) for at most kGemvPairs pairs, any block_m;
+// kGemvMma, the same with an expert's pairs computed together on matrix cores in both launches (16-bit
+// types). kDecode and the gemv variants read no sorting output and use neither y nor the workspace (they
+// may be null).
 enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2, kGemvMma = 3 };
 
 // Bytes of hk_fused_moe's `inter` for this shape and variant (InterLayout).
@@ -231,6 +233,14 @@ HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int in
   *bytes = InterLayout(num_tokens, (int64_t)num_tokens * topk, dim, inter_dim, kPreSplit && variant == kGrouped).bytes;
   return 0;
 }
+
+// The most routed pairs (T * topk) for which the grouped variant's GEMMs route in their own blocks
+// (route.h; hk_fused_moe with no sorting outputs), or 0 where this module's tiles have no room for the
+// routing table (CDNA's 64 KB).
+constexpr bool kCanRoute = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCanRoute &&
+                           hk::fused_moe::GemmCfg<T, M2, BM, false>::kCanRoute &&
+                           hk::fused_moe::GemmCfg<T, M2s, BM, false>::kCanRoute;
+HK_EXPORT int hk_fused_moe_route_pairs() { return kCanRoute ? hk::fused_moe::kRoutePairs : 0; }
 
 // Workspace of hk_fused_moe on `device` (the same for any shape and variant): floats of split-K
 // partials and ints of counters (which must be zero before the first call; every call leaves them zero).
@@ -250,22 +260,35 @@ HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_
 }
 
 // The grouped variant's three GEMMs on `device` (gated, down, down where inter_dim <= kShortK), 3
-// ints each (gemm_layout: grid, output columns per item, split-2 parts summed in cluster pairs), for
-// tests that aim a plan at a split of 2.
-HK_EXPORT int hk_fused_moe_gemms(int device, int32_t* out) {
+// ints each (gemm_layout: grid, output columns per item, split-2 parts summed in cluster pairs), as
+// launched with moe_sorting's outputs (routed 0) or routing in their blocks (1), for tests that aim a
+// plan at a split of 2.
+HK_EXPORT int hk_fused_moe_gemms(int device, int routed, int32_t* out) {
   HK_TRY(hk::use_device(device));
-  HK_TRY((hk::fused_moe::gemm_layout<T, M1, BM, true>(device, out)));
-  HK_TRY((hk::fused_moe::gemm_layout<T, M2, BM, false>(device, out + 3)));
-  return hk::fused_moe::gemm_layout<T, M2s, BM, false>(device, out + 6);
+  using hk::fused_moe::gemm_layout;
+  if (!routed) {
+    HK_TRY((gemm_layout<T, M1, BM, true>(device, out)));
+    HK_TRY((gemm_layout<T, M2, BM, false>(device, out + 3)));
+    return gemm_layout<T, M2s, BM, false>(device, out + 6);
+  }
+  if constexpr (kCanRoute) {
+    constexpr int kRows = hk::fused_moe::kOwnRoute;
+    HK_TRY((gemm_layout<T, M1, BM, true, kRows>(device, out)));
+    HK_TRY((gemm_layout<T, M2, BM, false, kRows>(device, out + 3)));
+    return gemm_layout<T, M2s, BM, false, kRows>(device, out + 6);
+  }
+  return hk::set_invalid("fused_moe: this module's GEMMs do not route in their blocks", __FILE__, __LINE__);
 }
 
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
 // E_global experts; expert_map [E_global] or null), sorted_ids [max_padded] / expert_ids
 // [max_padded / BM] / num_post [1] from moe_sorting with block_m = BM (kGrouped only; null for
-// kDecode), inter of hk_fused_moe_inter_bytes bytes (which may exceed [T * topk][I] elements; no
-// memory the previous kernel on the stream still uses), y [T * topk][D] (fp32), partials / counters as
-// hk_fused_moe_workspace says, out [T][D]. D and I multiples of 16 bytes' worth of elements,
-// pointers 16-byte aligned. activation: 0 silu, 1 gelu. Returns 0 or an error code (hk_last_error()).
+// kDecode and the gemv variants, and for kGrouped where both GEMMs route in their blocks instead: at
+// most hk_fused_moe_route_pairs() pairs, max_padded 0), inter of hk_fused_moe_inter_bytes bytes (which
+// may exceed [T * topk][I] elements; no memory the previous kernel on the stream still uses), y [T *
+// topk][D] (fp32), partials / counters as hk_fused_moe_workspace says, out [T][D]. D and I multiples of
+// 16 bytes' worth of elements, pointers 16-byte aligned. activation: 0 silu, 1 gelu. Returns 0 or an
+// error code (hk_last_error()).
 HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const float* topk_weights,
                            const int32_t* topk_ids, const int32_t* expert_map, const int32_t* sorted_ids,
                            const int32_t* expert_ids, const int32_t* num_post, void* inter, float* y,
@@ -280,9 +303,11 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   const bool gemv = variant == kGemv || (variant == kGemvMma && sizeof(T) == 2);
   HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode) || gemv);
   const bool decode = variant == kDecode;
+  const bool routed = variant == kGrouped && sorted_ids == nullptr;  // both GEMMs route in their blocks
   HK_REQUIRE(decode ? (int64_t)num_tokens * topk <= hk::fused_moe::kDecodePairs
              : gemv ? (int64_t)num_tokens * topk <= hk::fused_moe::kGemvPairs
-                                : max_padded >= 0 && max_padded % BM == 0);
+             : routed ? (int64_t)num_tokens * topk <= hk::fused_moe::kRoutePairs && max_padded == 0
+                      : max_padded >= 0 && max_padded % BM == 0);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
   hipStream_t s = static_cast<hipStream_t>(stream);
@@ -291,7 +316,8 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
                                     out, num_tokens, topk, num_experts,  dim,         inter_dim,  activation};
     return hk::fused_moe::launch_gemv<T>(a, variant == kGemvMma, s);
   }
-  const int num_pairs = num_tokens * topk, max_mblocks = decode ? hk::fused_moe::kDecodePairs : max_padded / BM;
+  const int num_pairs = num_tokens * topk;
+  const int max_mblocks = decode ? hk::fused_moe::kDecodePairs : routed ? num_pairs : max_padded / BM;
   constexpr int kCols1 = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCols;
   const bool short_down = !decode && inter_dim <= kShortK;  // the down GEMM on M2s
   const int cols2 = short_down ? hk::fused_moe::GemmCfg<T, M2s, BM, false>::kCols
@@ -302,6 +328,11 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   g1.sorted_ids = sorted_ids;
   g1.expert_ids = expert_ids;
   g1.num_post = num_post;
+  if (routed) {
+    g1.route_ids = topk_ids;
+    g1.route_map = expert_map;
+    g1.route_experts = num_experts;
+  }
   g1.num_pairs = num_pairs;
   g1.max_mblocks = max_mblocks;
   g1.num_experts = num_local_experts;

@@ -4,8 +4,10 @@
 // for every routed (token, slot) pair p = t * k + j, e its (local) expert.
 //
 // Work items. moe_sorting groups the pairs by expert into m-blocks of BM rows (one expert each,
-// valid rows first, then padding). An item is one m-block x one n-tile of M::kRows weight rows over
-// the whole reduction: every item moves the same weight bytes, so items are the unit of balance.
+// valid rows first, then padding), or, for at most kRoutePairs pairs, every block groups them itself
+// (route.h: the same m-blocks, compact, in shared memory; GemmParams::route_ids). An item is one
+// m-block x one n-tile of M::kRows weight rows over the whole reduction: every item moves the same
+// weight bytes, so items are the unit of balance.
 // The item count is read on the GPU (num_tokens_post_padded / BM m-blocks x n-tiles), so the
 // launch depends on shapes only (CUDA-graph capturable), and a grid of the resident-block count
 // walks the items block-cyclically, m-block fastest: the blocks running at one time share n-tiles,
@@ -24,6 +26,7 @@
 #pragma once
 
 #include "math.h"
+#include "route.h"
 #include "hipkern/launch.h"
 #include "hipkern/reduce.h"
 #include "hipkern/tma.h"
@@ -59,6 +62,11 @@ struct GemmParams {
   const int32_t* sorted_ids;
   const int32_t* expert_ids;
   const int32_t* num_post;
+  // Routed in each block instead (route.h), where route_ids is set (then the three above are unused):
+  // topk_ids, expert_map (or null) and its length E, for at most kRoutePairs pairs.
+  const int32_t* route_ids;
+  const int32_t* route_map;
+  int route_experts;
   int num_pairs, max_mblocks, n_tiles;
   void* out;  // gated: T [num_pairs][N] (split rows where M::kPreSplit); down: float [num_pairs][N]
   int64_t out_stride;
@@ -99,10 +107,12 @@ constexpr int64_t kSplitFloats = (int64_t)M::kRows * M::kToks;
 struct Plan {
   int n_mblocks, base, split, kss /* stages per part */, items;
 };
-// Called by every thread, with all the lanes of its wave (they weigh the splits together).
-HK_DEVICE Plan plan(const GemmParams& p, int bm, int ks_total, int grid) {
+// Called by every thread, with all the lanes of its wave (they weigh the splits together). kTable: the
+// m-blocks are `table` (route.h), else moe_sorting's (p.num_post).
+template <bool kTable>
+HK_DEVICE Plan plan(const GemmParams& p, const RouteTable* table, int bm, int ks_total, int grid) {
   Plan pl;
-  int nm = *p.num_post / bm;
+  int nm = kTable ? table->n_mblocks : *p.num_post / bm;
   pl.n_mblocks = nm < 0 ? 0 : nm > p.max_mblocks ? p.max_mblocks : nm;
   pl.base = pl.n_mblocks * p.n_tiles;
   // Lane s - 1 weighs the split s: its rounds ceil(base * s / grid), per part as an exact multiple of
@@ -195,6 +205,11 @@ struct GemmCfg {
   // pass's output columns (whole vectors of 4), or every other token row where those are split rows.
   static constexpr bool kPairSum = kClusters && (kCols / kPasses) % 8 == 0;
   static constexpr int bytes = M::kScratch ? kScratchAt + M::kScratch : kBarEnd;
+  // A launch that routes in its blocks (GemmParams::route_ids) keeps its table past `bytes`, and routes
+  // with the stages' memory as scratch. CDNA: only where that still fits its 64 KB.
+  static constexpr int kRouteAt = round_up(bytes, 16), kRoutedBytes = kRouteAt + (int)sizeof(RouteTable);
+  static constexpr bool kCanRoute = (kAsyncCopy || kRoutedBytes <= 64 * 1024) && kRoutedBytes <= 227 * 1024;
+  static_assert(kW + kX >= kRouteScratchBytes, "route_pairs' scratch in the stages");
   static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
   static_assert(!kFullBars || kRedInScratch || kRedAt >= kW + kX,
                 "kFullBars: the loader fills the stages while the epilogue uses red");
@@ -222,15 +237,21 @@ template <int kXCopies, int kChunks, int kThreads>
 struct Item {
   int mb, nt, expert;
   int pair[kXCopies];
-  HK_DEVICE void fetch(const GemmParams& p, const Plan& pl, int item, int bm) {
+  template <bool kTable>  // the m-blocks from `table`, else from moe_sorting's outputs (p)
+  HK_DEVICE void fetch(const GemmParams& p, const RouteTable* table, const Plan& pl, int item, int bm) {
     const int b = item / pl.split;
     mb = b % pl.n_mblocks;
     nt = b / pl.n_mblocks;
-    expert = p.expert_ids[mb];
+    expert = kTable ? table->expert[mb] : p.expert_ids[mb];
 #pragma unroll
     for (int j = 0; j < kXCopies; ++j) {
       const int m = threadIdx.x / kChunks + j * (kThreads / kChunks);  // load()'s rows: r0 + j * kRowStep
-      pair[j] = m < bm ? p.sorted_ids[(int64_t)mb * bm + m] : p.num_pairs;
+      if constexpr (kTable) {
+        const int q = table->lo[mb] + m;
+        pair[j] = q < table->hi[mb] ? table->list[q] : p.num_pairs;
+      } else {
+        pair[j] = m < bm ? p.sorted_ids[(int64_t)mb * bm + m] : p.num_pairs;
+      }
     }
   }
 };
@@ -253,11 +274,12 @@ HK_DEVICE int x_at(int m, int c) {
 //   kPairs             whether the launch may be in cluster pairs (GemmParams::pair_cluster): in
 //                      pairs, both parts of an item call item_done, each with half its outputs
 // Programmatic dependent launch (launch_dependent, sm_90; plain launches elsewhere): the gated
-// GEMM's plan reads moe_sorting's outputs, so it waits for the kernel before it first (sorting, or
-// the split-rows pass, which ends only after sorting has). The down GEMM's plan reads them too, but
+// GEMM's plan reads moe_sorting's outputs (or, routing in its blocks, the caller's ids, which the kernel
+// before the call may write), so it waits for the kernel before it first (sorting, the split-rows pass,
+// which ends only after sorting has, or the caller's). The down GEMM's plan reads them too, but
 // the gated GEMM started only after they were complete (it triggers its dependents after its own
-// wait), so the down GEMM plans and streams its first weight stages while the gated GEMM still runs,
-// and waits only before it reads the intermediate.
+// wait), so the down GEMM routes, plans and streams its first weight stages while the gated GEMM still
+// runs, and waits only before it reads the intermediate.
 template <int kTrace>  // the launch's first trace point
 struct PdlHooks {
   static constexpr bool kPairs = true;
@@ -322,9 +344,16 @@ HK_DEVICE void sum_parts(const float* parts, int split, const int* pairs, int nu
   }
 }
 
-// One GEMM over the grid (both GEMMs of the op are this function): plan, pipeline, epilogues.
-template <typename T, typename M, int BM, bool Gated, typename Hooks>
-HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Hooks& hooks) {
+// Where a GEMM's m-blocks come from: moe_sorting's outputs (GemmParams::sorted_ids ...), the block's own
+// routing of GemmParams::route_ids into its table at C::kRouteAt, just before the plan (route.h), or a
+// table the caller routed (the decode kernel).
+enum Rows { kSortedRows = 0, kOwnRoute = 1, kGivenTable = 2 };
+
+// One GEMM over the grid (both GEMMs of the op are this function): routing (kOwnRoute), plan, pipeline,
+// epilogues. `given`: the table of kGivenTable.
+template <typename T, typename M, int BM, bool Gated, int kRows, typename Hooks>
+HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Hooks& hooks,
+                          const RouteTable* given = nullptr) {
   typedef GemmCfg<T, M, BM, Gated> C;
   constexpr int S = C::kStages, A = C::kAhead, KT = C::kThreads;
   T* w_s = reinterpret_cast<T*>(smem_raw);                        // [S][kRows][kLd]
@@ -352,7 +381,15 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   constexpr bool kEarlyWeights = !Gated && S > 1;
   if (!kEarlyWeights) hooks.wait_input();
   const int G = gridDim.x, KS = (p.K + M::kBK - 1) / M::kBK;  // k-stages of a whole item
-  const Plan pl = plan(p, BM, KS, G);
+  constexpr bool kTable = kRows != kSortedRows;
+  const RouteTable* table = given;
+  if constexpr (kRows == kOwnRoute) {  // the ids are the caller's: complete once the gated GEMM has waited
+    static_assert(C::kCanRoute, "room for the table");
+    RouteTable* t = reinterpret_cast<RouteTable*>(smem_raw + C::kRouteAt);
+    route_pairs<KT>(p.route_ids, p.route_map, p.num_pairs, p.route_experts, BM, reinterpret_cast<int*>(smem_raw), *t);
+    table = t;
+  }
+  const Plan pl = plan<kTable>(p, table, BM, KS, G);
   // K split in 2 in a grid of clusters of 2 (G even): blocks 2c and 2c + 1 run the two parts of the
   // same items, and sum them through each other's red.
   const bool pair_sum = C::kPairSum && Hooks::kPairs && p.pair_cluster && pl.split == 2;
@@ -366,7 +403,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   // The loader runs kAhead stages ahead; it fetches an item's metadata one item ahead too.
   typedef Item<C::kXCopies, C::kChunks, KT> It;
   It cur, nxt;
-  cur.fetch(p, pl, blockIdx.x, BM);
+  cur.template fetch<kTable>(p, table, pl, blockIdx.x, BM);
   int cur_item = -1;
   Cursor ld(pl);  // the loader's stage
   const T* w = static_cast<const T*>(p.w);
@@ -420,7 +457,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     if (item != cur_item) {
       if (cur_item >= 0) cur = nxt;
       cur_item = item;
-      if (item + G < pl.items) nxt.fetch(p, pl, item + G, BM);
+      if (item + G < pl.items) nxt.template fetch<kTable>(p, table, pl, item + G, BM);
       bind();
       if (tok) hooks.wait_item(cur.mb);
     }
@@ -481,7 +518,7 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
     for (int s = 0; s < A; ++s)
       if (s < total) load(s, true, false);
     // Rewind the loader; the weights join the first group committed below.
-    cur.fetch(p, pl, blockIdx.x, BM);
+    cur.template fetch<kTable>(p, table, pl, blockIdx.x, BM);
     cur_item = -1;
     ld = Cursor(pl);
     hooks.wait_input();
@@ -697,12 +734,13 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   async_copy_wait();
 }
 
-template <typename T, typename M, int BM, bool Gated>
+// kRows: kSortedRows, or kOwnRoute (GemmParams::route_ids; launched with C::kRoutedBytes).
+template <typename T, typename M, int BM, bool Gated, int kRows>
 __global__ HK_LAUNCH_BOUNDS(M::kWaves * kWaveSize, 1) void gemm_kernel(const HK_GRID_CONSTANT GemmParams p) {
   extern __shared__ __align__(kWgmma ? 1024 : 16) unsigned char smem_raw[];  // wgmma atoms
   constexpr int kTrace = Gated ? 0 : 3;
   trace_point(kTrace);
-  gemm_phase<T, M, BM, Gated>(p, smem_raw, PdlHooks<kTrace>());
+  gemm_phase<T, M, BM, Gated, kRows>(p, smem_raw, PdlHooks<kTrace>());
   trace_point(kTrace + 2);
 }
 
@@ -729,42 +767,51 @@ int resident_grid(int threads, int bytes, int device, int* out) {
   return 0;
 }
 
-template <typename T, typename M, int BM, bool Gated>
+// The GEMM kernel of kRows and its dynamic shared memory.
+template <typename T, typename M, int BM, bool Gated, int kRows>
+struct GemmLaunch {
+  static constexpr auto kernel = &gemm_kernel<T, M, BM, Gated, kRows>;
+  static constexpr int bytes = kRows == kOwnRoute ? GemmCfg<T, M, BM, Gated>::kRoutedBytes
+                                                  : GemmCfg<T, M, BM, Gated>::bytes;
+};
+
+template <typename T, typename M, int BM, bool Gated, int kRows = kSortedRows>
 int device_slots(int device, int* out) {
-  typedef GemmCfg<T, M, BM, Gated> C;
-  return resident_grid<&gemm_kernel<T, M, BM, Gated>>(C::kThreads, C::bytes, device, out);
+  typedef GemmLaunch<T, M, BM, Gated, kRows> L;
+  return resident_grid<L::kernel>(GemmCfg<T, M, BM, Gated>::kThreads, L::bytes, device, out);
 }
 
 // Whether launch_gemm runs a grid of `grid` blocks in clusters of 2 (GemmParams::pair_cluster), into
 // *out: where GemmCfg::kPairSum and all the clusters can be resident at once (for blocks of one SM
 // each, a GPC with an odd number of SMs leaves one of them out). HIPKERN_NO_CLUSTERS=1 in the
 // environment says no, for comparisons.
-template <typename T, typename M, int BM, bool Gated>
+template <typename T, typename M, int BM, bool Gated, int kRows = kSortedRows>
 int pairs_fit(int device, int grid, bool* out) {
   typedef GemmCfg<T, M, BM, Gated> C;
-  constexpr auto kernel = &gemm_kernel<T, M, BM, Gated>;
+  typedef GemmLaunch<T, M, BM, Gated, kRows> L;
   static const bool off = std::getenv("HIPKERN_NO_CLUSTERS") != nullptr;
   static int cache[64] = {0};  // per device: resident clusters + 1 (0: not asked yet)
   *out = false;
   if (!C::kPairSum || off || grid % 2 != 0) return 0;
   int clusters = device < 64 ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) - 1 : -1;
   if (clusters < 0) {
-    HK_TRY(allow_shared(kernel, raised<kernel>(), C::bytes, device));
-    HK_TRY(max_clusters(kernel, C::kThreads, C::bytes, dim3(2, 1, 1), &clusters));
+    HK_TRY(allow_shared(L::kernel, raised<L::kernel>(), L::bytes, device));
+    HK_TRY(max_clusters(L::kernel, C::kThreads, L::bytes, dim3(2, 1, 1), &clusters));
     if (device < 64) __atomic_store_n(&cache[device], clusters + 1, __ATOMIC_RELAXED);
   }
   *out = 2 * clusters >= grid;
   return 0;
 }
 
-// What launch_gemm does on `device` with a grid of more than enough items: out[0] its grid, out[1]
+// What launch_gemm does on `device` with a grid of more than enough items (kRows kOwnRoute: with
+// GemmParams::route_ids set): out[0] its grid, out[1]
 // the output columns of an item, out[2] whether a split of 2 sums in cluster pairs (for tests).
-template <typename T, typename M, int BM, bool Gated>
+template <typename T, typename M, int BM, bool Gated, int kRows = kSortedRows>
 int gemm_layout(int device, int32_t* out) {
   int grid = 0;
   bool pairs = false;
-  HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
-  HK_TRY((pairs_fit<T, M, BM, Gated>(device, grid, &pairs)));
+  HK_TRY((device_slots<T, M, BM, Gated, kRows>(device, &grid)));
+  HK_TRY((pairs_fit<T, M, BM, Gated, kRows>(device, grid, &pairs)));
   out[0] = grid;
   out[1] = GemmCfg<T, M, BM, Gated>::kCols;
   out[2] = pairs;
@@ -776,18 +823,23 @@ template <typename T, typename M, int BM, bool Gated>
 int workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
   int grid = 0;
   HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
+  if constexpr (GemmCfg<T, M, BM, Gated>::kCanRoute) {  // the larger of the two kernels' grids
+    int routed = 0;
+    HK_TRY((device_slots<T, M, BM, Gated, kOwnRoute>(device, &routed)));
+    if (routed > grid) grid = routed;
+  }
   *partial_floats = split_items(grid) * kSplitFloats<M>;
   *counter_ints = split_items(grid);
   return 0;
 }
 
 // Launch over min(items that can exist, resident blocks on the device).
-template <typename T, typename M, int BM, bool Gated>
-int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
+template <typename T, typename M, int BM, bool Gated, int kRows>
+int launch_gemm_rows(const GemmParams& p, int device, hipStream_t stream) {
   typedef GemmCfg<T, M, BM, Gated> C;
-  auto kernel = &gemm_kernel<T, M, BM, Gated>;
+  typedef GemmLaunch<T, M, BM, Gated, kRows> L;
   int grid = 0;
-  HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
+  HK_TRY((device_slots<T, M, BM, Gated, kRows>(device, &grid)));
   GemmParams q = p;
   q.max_split_items = split_items(grid);
   q.w_tma = 0;
@@ -812,13 +864,25 @@ int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
   const int64_t items = (int64_t)p.max_mblocks * p.n_tiles * kMaxSplit;
   if (items < grid) grid = (int)items;
   if (grid < 1) return 0;
-  HK_TRY(allow_shared(kernel, raised<&gemm_kernel<T, M, BM, Gated>>(), C::bytes, device));
+  HK_TRY(allow_shared(L::kernel, raised<L::kernel>(), L::bytes, device));
   bool pairs = false;
-  HK_TRY((pairs_fit<T, M, BM, Gated>(device, grid, &pairs)));
+  HK_TRY((pairs_fit<T, M, BM, Gated, kRows>(device, grid, &pairs)));
   q.pair_cluster = pairs;
-  HK_CHECK(launch_dependent_clusters(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream,
+  HK_CHECK(launch_dependent_clusters(L::kernel, dim3((unsigned)grid), dim3(C::kThreads), L::bytes, stream,
                                      dim3(pairs ? 2 : 1, 1, 1), q));
   return 0;
+}
+
+// The GEMM after moe_sorting, or routing in its blocks where p.route_ids is set (at most kRoutePairs
+// pairs, on tiles with room for the table: GemmCfg::kCanRoute).
+template <typename T, typename M, int BM, bool Gated>
+int launch_gemm(const GemmParams& p, int device, hipStream_t stream) {
+  if (p.route_ids == nullptr) return launch_gemm_rows<T, M, BM, Gated, kSortedRows>(p, device, stream);
+  if constexpr (GemmCfg<T, M, BM, Gated>::kCanRoute) {
+    if (p.num_pairs <= kRoutePairs) return launch_gemm_rows<T, M, BM, Gated, kOwnRoute>(p, device, stream);
+  }
+  return set_invalid("fused_moe: routing in the GEMM blocks takes at most kRoutePairs pairs, on a tile with room for "
+                     "its table", __FILE__, __LINE__);
 }
 
 }  // namespace fused_moe

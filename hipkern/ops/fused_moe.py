@@ -1,6 +1,7 @@
 """Fused MoE: ``fused_moe(hidden_states, w1, w2, topk_weights, topk_ids) -> [T, D]``, the routed
 experts' gated MLPs weighted and summed per token, in one call (moe_sorting + two grouped GEMMs + a
-deterministic combine; see csrc_hip/fused_moe/)."""
+deterministic combine, or for at most 256 routed pairs the GEMMs grouping the pairs themselves; see
+csrc_hip/fused_moe/)."""
 from __future__ import annotations
 
 import ctypes
@@ -18,7 +19,8 @@ __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
-VARIANT = "grouped"  # moe_sorting, then the two grouped GEMMs and the combine: four launches
+VARIANT = "grouped"  # moe_sorting, then the two grouped GEMMs and the combine: four launches (three where
+# the GEMM blocks group at most _block_route_pairs() pairs by expert themselves)
 # "decode": the same GEMMs with the routing and the combine in one launch, for at most
 # DECODE_MAX_PAIRS routed pairs (csrc_hip/fused_moe/decode.h).
 # "gemv": matrix-vector products streaming the weights into registers, for at most GEMV_MAX_PAIRS
@@ -252,6 +254,17 @@ def _workspace(mod, dev: int, device: torch.device):
     return partials, counters
 
 
+def _block_route_pairs(mod) -> int:
+    """The most routed pairs (tokens x topk) for which the grouped variant's GEMMs group the pairs by
+    expert in their own blocks (csrc_hip/fused_moe/route.h) instead of after a moe_sorting launch: on the
+    H100 that launch and the wait for it were ~4-5 us of a decode-sized call (NOTES.md, 2026-11-28).
+    0 where the module's tiles have no room for the table (CDNA's 64 KB of LDS)."""
+    n = getattr(mod, "_route_pairs", None)
+    if n is None:
+        n = mod._route_pairs = int(mod.hk_fused_moe_route_pairs())
+    return n
+
+
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
@@ -263,7 +276,8 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     e_local, inter = w1.shape[0], w1.shape[1] // 2
     num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
-    if variant != VARIANT:  # routes in its own kernels
+    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
+    if variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod):  # routes in its own kernels
         sorting = (None, None, None)
         max_padded = 0
     else:
@@ -271,7 +285,6 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
         sorting = (sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr())
         max_padded = sorted_ids.numel()
-    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
     nbytes = ctypes.c_int64()  # the intermediate (and, for some tiles, the tokens as split rows)
     rc = mod.hk_fused_moe_inter_bytes(num_tokens, topk, dim, inter, _VARIANT_CODES[variant], ctypes.byref(nbytes))
     if rc:
@@ -351,7 +364,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         validate: check the ids and expert_map values first (syncs with the device).
         block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
             the tuning database's choice for this shape (choose_config), else default_block_m.
-        variant: "grouped" (moe_sorting, two grouped GEMMs, a combine), "decode" (the same in one
+        variant: "grouped" (moe_sorting, two grouped GEMMs, a combine; up to 256 routed pairs the GEMMs
+            group the pairs by expert themselves, no moe_sorting launch), "decode" (the same in one
             launch; at most DECODE_MAX_PAIRS routed pairs), "gemv" (two matrix-vector launches that
             stream the weights into registers; at most GEMV_MAX_PAIRS routed pairs; block_m does not
             change it), "gemv_mma" (the same with each expert's pairs computed together on matrix

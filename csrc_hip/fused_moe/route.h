@@ -1,0 +1,104 @@
+// A few routed pairs grouped by expert inside one block, in shared memory: the layout moe_sorting
+// builds (each expert's pairs in pair order, experts in order, m-blocks of at most BM pairs), kept
+// compact (no padding rows), so that a GEMM launch needs no sorting launch before it. The grouped
+// chain uses it for at most kRoutePairs pairs (every block of both GEMMs routes for itself); the decode
+// variant always (it has at most kDecodePairs).
+#pragma once
+
+#include "hipkern/moe.h"
+#include "hipkern/platform.h"
+#include "hipkern/reduce.h"
+
+namespace hk {
+namespace fused_moe {
+
+constexpr int kRoutePairs = 256;
+constexpr int kRouteMaxExperts = 1024;  // moe_sorting's kMaxExperts
+
+// M-block mb is the local expert expert[mb] with the pairs list[lo[mb] .. hi[mb]).
+struct RouteTable {
+  int n_mblocks;
+  int16_t list[kRoutePairs];
+  int16_t expert[kRoutePairs];
+  int16_t lo[kRoutePairs], hi[kRoutePairs];
+};
+
+// Scratch route_pairs needs (the caller's free shared memory until route_pairs returns): per expert its
+// count, then its starts; per pair its expert and rank; one int per wave for the scan.
+constexpr int kRouteScratchBytes = (2 * kRouteMaxExperts + 2 * kRoutePairs + 32) * 4;
+
+// Pairs [0, n) of ids (n <= kRoutePairs; a pair is kept as moe_sorting keeps it) into t, by all kThreads
+// threads of the block. Ranks within an expert by one wave, a wave-width step at a time (match_any: the
+// step's lanes of the same expert; the lowest adds their count to the expert's counter); the experts'
+// starts by one block scan of (pairs | m-blocks << 16). Ends with a barrier: t is complete, scratch free.
+template <int kThreads>
+HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n, int num_experts, int bm,
+                           int* scratch, RouteTable& t) {
+  constexpr int kPairsPer = (kRoutePairs + kThreads - 1) / kThreads;
+  int* cnt = scratch;                            // [E]
+  int* start = cnt + kRouteMaxExperts;           // [E]: first list slot | first m-block << 16
+  int* key = start + kRouteMaxExperts;           // [n]: the pair's expert, E when dropped
+  int* rank = key + kRoutePairs;                 // [n]: the pair's place among its expert's
+  int* scan = rank + kRoutePairs;                // [waves]
+  const int E = num_experts;
+  int e[kPairsPer];
+#pragma unroll
+  for (int i = 0; i < kPairsPer; ++i) {  // every id load issued before any is checked
+    const int p = threadIdx.x + i * kThreads;
+    e[i] = p < n ? ids[p] : E;
+  }
+#pragma unroll
+  for (int i = 0; i < kPairsPer; ++i) {
+    const int p = threadIdx.x + i * kThreads;
+    if (p < n) key[p] = moe_pair_kept(e[i], E, expert_map) ? e[i] : E;
+  }
+  for (int x = threadIdx.x; x < E; x += kThreads) cnt[x] = 0;
+  __syncthreads();
+  if (threadIdx.x < kWaveSize) {
+    const int bits = 32 - __clz(E);  // values 0 .. E
+    for (int c = 0; c < n; c += kWaveSize) {
+      const int p = c + lane_id();
+      const int x = p < n ? key[p] : E;
+      const lanemask_t peers = match_any((uint32_t)x, bits);
+      const lanemask_t below = peers & lanemask_lt();
+      const int base = x < E ? cnt[x] : 0;
+      wave_sync();  // every lane has read its counter before the lowest lane advances it
+      if (x < E) {
+        rank[p] = base + popc(below);
+        if (below == 0) cnt[x] = base + popc(peers);
+      }
+      wave_sync();
+    }
+  }
+  __syncthreads();
+  // Thread i scans the experts [i * per, (i + 1) * per).
+  const int per = (E + kThreads - 1) / kThreads, e0 = min((int)threadIdx.x * per, E), e1 = min(e0 + per, E);
+  int sum = 0;
+  for (int x = e0; x < e1; ++x) sum += cnt[x] + ((cnt[x] + bm - 1) / bm << 16);
+  int total;
+  int run = block_exclusive_sum<kThreads>(sum, scan, total);
+  for (int x = e0; x < e1; ++x) {
+    start[x] = run;
+    run += cnt[x] + ((cnt[x] + bm - 1) / bm << 16);
+  }
+  if (threadIdx.x == 0) t.n_mblocks = total >> 16;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += kThreads) {
+    const int x = key[p];
+    if (x < E) t.list[(start[x] & 0xffff) + rank[p]] = (int16_t)p;
+  }
+  for (int x = e0; x < e1; ++x) {
+    const int c = cnt[x];
+    if (c == 0) continue;
+    const int s = start[x] & 0xffff, mb0 = start[x] >> 16, local = expert_map != nullptr ? expert_map[x] : x;
+    for (int b = 0; b * bm < c; ++b) {
+      t.expert[mb0 + b] = (int16_t)local;
+      t.lo[mb0 + b] = (int16_t)(s + b * bm);
+      t.hi[mb0 + b] = (int16_t)(s + min(c, (b + 1) * bm));
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace fused_moe
+}  // namespace hk
