@@ -169,7 +169,8 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   RouteTable& r = *reinterpret_cast<RouteTable*>(smem_raw + C::kRouteAt);
   trace_point(0);
   trace_point(3);  // DownHooks overwrites it at each release; a block with no down item keeps its start
-  route_pairs<C::kThreads>(d.ids, d.expert_map, g1.num_pairs, d.num_experts, BM, reinterpret_cast<int*>(smem_raw), r);
+  route_pairs<C::kThreads, C::C1::kRouteWaves>(d.ids, d.expert_map, g1.num_pairs, d.num_experts, BM,
+                                               reinterpret_cast<int*>(smem_raw), r);
   trace_point(1);
   int* ready = d.sync;
   gemm_phase<T, M1, BM, true, kGivenTable>(g1, smem_raw, GatedHooks{ready}, &r);

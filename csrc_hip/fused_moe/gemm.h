@@ -209,7 +209,8 @@ struct GemmCfg {
   // with the stages' memory as scratch. CDNA: only where that still fits its 64 KB.
   static constexpr int kRouteAt = round_up(bytes, 16), kRoutedBytes = kRouteAt + (int)sizeof(RouteTable);
   static constexpr bool kCanRoute = (kAsyncCopy || kRoutedBytes <= 64 * 1024) && kRoutedBytes <= 227 * 1024;
-  static_assert(kW + kX >= kRouteScratchBytes, "route_pairs' scratch in the stages");
+  static constexpr int kRouteWaves = route_rank_waves(kThreads / kWaveSize, kW + kX);  // route_pairs' scratch
+  static_assert(kRouteWaves >= 1, "route_pairs' scratch in the stages");
   static_assert(kFlagAt % 8 == 0 && (!kTmaW || M::kLd * (int)sizeof(T) == 128), "mbarriers; 128-byte box rows");
   static_assert(!kFullBars || kRedInScratch || kRedAt >= kW + kX,
                 "kFullBars: the loader fills the stages while the epilogue uses red");
@@ -386,7 +387,8 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   if constexpr (kRows == kOwnRoute) {  // the ids are the caller's: complete once the gated GEMM has waited
     static_assert(C::kCanRoute, "room for the table");
     RouteTable* t = reinterpret_cast<RouteTable*>(smem_raw + C::kRouteAt);
-    route_pairs<KT>(p.route_ids, p.route_map, p.num_pairs, p.route_experts, BM, reinterpret_cast<int*>(smem_raw), *t);
+    route_pairs<KT, C::kRouteWaves>(p.route_ids, p.route_map, p.num_pairs, p.route_experts, BM,
+                                    reinterpret_cast<int*>(smem_raw), *t);
     table = t;
   }
   const Plan pl = plan<kTable>(p, table, BM, KS, G);

@@ -23,24 +23,39 @@ struct RouteTable {
   int16_t lo[kRoutePairs], hi[kRoutePairs];
 };
 
-// Scratch route_pairs needs (the caller's free shared memory until route_pairs returns): per expert its
-// count, then its starts; per pair its expert and rank; one int per wave for the scan.
-constexpr int kRouteScratchBytes = (2 * kRouteMaxExperts + 2 * kRoutePairs + 32) * 4;
+// Scratch route_pairs needs with `rank_waves` ranking waves (the caller's free shared memory until
+// route_pairs returns): per expert its count, then its starts; per pair its expert and rank; one int per
+// wave for the scan; per ranking wave and expert a 16-bit count.
+constexpr int route_scratch_bytes(int rank_waves) {
+  return (2 * kRouteMaxExperts + 2 * kRoutePairs + 32) * 4 + rank_waves * kRouteMaxExperts * 2;
+}
+// The most of a block's `waves` that can rank with `bytes` of scratch (0: not even one).
+constexpr int route_rank_waves(int waves, int bytes) {
+  for (int w = waves; w >= 1; --w)
+    if (route_scratch_bytes(w) <= bytes) return w;
+  return 0;
+}
 
 // Pairs [0, n) of ids (n <= kRoutePairs; a pair is kept as moe_sorting keeps it) into t, by all kThreads
-// threads of the block. Ranks within an expert by one wave, a wave-width step at a time (match_any: the
-// step's lanes of the same expert; the lowest adds their count to the expert's counter); the experts'
-// starts by one block scan of (pairs | m-blocks << 16). Ends with a barrier: t is complete, scratch free.
-template <int kThreads>
+// threads of the block, with route_scratch_bytes(kRankWaves) of scratch. Each of the first kRankWaves
+// waves ranks a contiguous share of the pairs within their experts (one wave for all of them left the
+// down GEMM's start 1.3 us later at 256 pairs on the H100: NOTES.md, 2026-11-28), a wave-width
+// step at a time (match_any: the step's lanes of the same expert; the lowest adds their count to the
+// wave's counter of the expert); then per expert the waves' counts become prefixes, and one block scan of
+// (pairs | m-blocks << 16) gives the experts' starts. Ends with a barrier: t is complete, scratch free.
+template <int kThreads, int kRankWaves>
 HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n, int num_experts, int bm,
                            int* scratch, RouteTable& t) {
   constexpr int kPairsPer = (kRoutePairs + kThreads - 1) / kThreads;
-  int* cnt = scratch;                            // [E]
+  static_assert(kRankWaves >= 1 && kRankWaves * kWaveSize <= kThreads, "ranking waves of the block");
+  int* cnt = scratch;                            // [E]: pairs of the expert
   int* start = cnt + kRouteMaxExperts;           // [E]: first list slot | first m-block << 16
   int* key = start + kRouteMaxExperts;           // [n]: the pair's expert, E when dropped
-  int* rank = key + kRoutePairs;                 // [n]: the pair's place among its expert's
+  int* rank = key + kRoutePairs;                 // [n]: the pair's place among its wave's of its expert
   int* scan = rank + kRoutePairs;                // [waves]
-  const int E = num_experts;
+  int16_t* wcnt = reinterpret_cast<int16_t*>(scan + 32);  // [waves][E]: counts, then prefixes over waves
+  const int E = num_experts, wave = threadIdx.x / kWaveSize;
+  const int share = (n + kRankWaves - 1) / kRankWaves;  // wave w ranks the pairs [w * share, (w + 1) * share)
   int e[kPairsPer];
 #pragma unroll
   for (int i = 0; i < kPairsPer; ++i) {  // every id load issued before any is checked
@@ -52,29 +67,40 @@ HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n,
     const int p = threadIdx.x + i * kThreads;
     if (p < n) key[p] = moe_pair_kept(e[i], E, expert_map) ? e[i] : E;
   }
-  for (int x = threadIdx.x; x < E; x += kThreads) cnt[x] = 0;
+  for (int x = threadIdx.x; x < kRankWaves * E; x += kThreads) wcnt[x] = 0;
   __syncthreads();
-  if (threadIdx.x < kWaveSize) {
-    const int bits = 32 - __clz(E);  // values 0 .. E
-    for (int c = 0; c < n; c += kWaveSize) {
+  if (wave < kRankWaves) {
+    const int bits = 32 - __clz(E), end = min(n, (wave + 1) * share);  // bits: of the values 0 .. E
+    int16_t* mine = wcnt + wave * E;
+    for (int c = wave * share; c < end; c += kWaveSize) {  // the same steps on every lane of the wave
       const int p = c + lane_id();
-      const int x = p < n ? key[p] : E;
+      const int x = p < end ? key[p] : E;
       const lanemask_t peers = match_any((uint32_t)x, bits);
       const lanemask_t below = peers & lanemask_lt();
-      const int base = x < E ? cnt[x] : 0;
+      const int base = x < E ? mine[x] : 0;
       wave_sync();  // every lane has read its counter before the lowest lane advances it
       if (x < E) {
         rank[p] = base + popc(below);
-        if (below == 0) cnt[x] = base + popc(peers);
+        if (below == 0) mine[x] = (int16_t)(base + popc(peers));
       }
       wave_sync();
     }
   }
   __syncthreads();
-  // Thread i scans the experts [i * per, (i + 1) * per).
+  // Thread i takes the experts [i * per, (i + 1) * per): the waves' counts become prefixes, then the scan.
   const int per = (E + kThreads - 1) / kThreads, e0 = min((int)threadIdx.x * per, E), e1 = min(e0 + per, E);
   int sum = 0;
-  for (int x = e0; x < e1; ++x) sum += cnt[x] + ((cnt[x] + bm - 1) / bm << 16);
+  for (int x = e0; x < e1; ++x) {
+    int c = 0;
+#pragma unroll
+    for (int w = 0; w < kRankWaves; ++w) {
+      const int v = wcnt[w * E + x];
+      wcnt[w * E + x] = (int16_t)c;
+      c += v;
+    }
+    cnt[x] = c;
+    sum += c + ((c + bm - 1) / bm << 16);
+  }
   int total;
   int run = block_exclusive_sum<kThreads>(sum, scan, total);
   for (int x = e0; x < e1; ++x) {
@@ -85,7 +111,7 @@ HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n,
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += kThreads) {
     const int x = key[p];
-    if (x < E) t.list[(start[x] & 0xffff) + rank[p]] = (int16_t)p;
+    if (x < E) t.list[(start[x] & 0xffff) + wcnt[p / share * E + x] + rank[p]] = (int16_t)p;
   }
   for (int x = e0; x < e1; ++x) {
     const int c = cnt[x];
