@@ -466,6 +466,22 @@ def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant,t", [("grouped", 32), ("grouped", 40), ("decode", 4)])
+def test_expert_map_into_more_than_32767_local_experts(variant, t):
+    """expert_map's values index w1, whose expert count E_local is not bounded by E: local experts past
+    2^15 through the in-block routing table (grouped up to 256 pairs, decode), and through moe_sorting
+    (grouped, 320 pairs)."""
+    e_local, e, k, dtype = 40000, 16, 8, torch.bfloat16
+    w1, w2 = make_weights(e_local, 16, 8, dtype, seed=3)
+    emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    emap[: e // 2] = torch.arange(e_local - e // 2, e_local, dtype=torch.int32, device="cuda")  # the last ones
+    emap[e // 2] = 5
+    x, w = make_tokens(t, 16, dtype, seed=t), routing_weights(t, k, seed=t)
+    ids = uniform_ids(t, k, e, seed=t)
+    run_and_check(x, w1, w2, w, ids, expert_map=emap, block_m=8, variant=variant)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_experts_remote_gives_zeros(dtype):
     x, w1, w2, w, ids = make_case(33, **SMALL, e=16, k=4, dtype=dtype)

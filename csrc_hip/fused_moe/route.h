@@ -15,11 +15,12 @@ namespace fused_moe {
 constexpr int kRoutePairs = 256;
 constexpr int kRouteMaxExperts = 1024;  // moe_sorting's kMaxExperts
 
-// M-block mb is the local expert expert[mb] with the pairs list[lo[mb] .. hi[mb]).
+// M-block mb is the local expert expert[mb] (any index into w1: expert_map's values are not bounded by E)
+// with the pairs list[lo[mb] .. hi[mb]).
 struct RouteTable {
   int n_mblocks;
+  int32_t expert[kRoutePairs];
   int16_t list[kRoutePairs];
-  int16_t expert[kRoutePairs];
   int16_t lo[kRoutePairs], hi[kRoutePairs];
 };
 
@@ -118,7 +119,7 @@ HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n,
     if (c == 0) continue;
     const int s = start[x] & 0xffff, mb0 = start[x] >> 16, local = expert_map != nullptr ? expert_map[x] : x;
     for (int b = 0; b * bm < c; ++b) {
-      t.expert[mb0 + b] = (int16_t)local;
+      t.expert[mb0 + b] = local;
       t.lo[mb0 + b] = (int16_t)(s + b * bm);
       t.hi[mb0 + b] = (int16_t)(s + min(c, (b + 1) * bm));
     }
