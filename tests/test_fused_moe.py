@@ -267,21 +267,23 @@ def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
         ids = ids.roll(1, dims=1).contiguous()
 
 
-def moe_module(dtype, block_m):
-    from hipkern import jit
-    from hipkern.jit import modules
+def route_pairs_here(dtype, block_m):
+    """hk_fused_moe_route_pairs of the (dtype, block_m) module on this GPU: up to how many routed pairs the
+    grouped chain's GEMMs route in their blocks (0: never, moe_sorting first)."""
+    from hipkern.ops._common import module_for
     dev = torch.cuda.current_device()
-    return jit.load(modules.spec("fused_moe", dtype=str(dtype)[6:], block_m=block_m), jit.current_arch(dev))
+    return module_for("fused_moe", dev, dtype=str(dtype)[6:], block_m=block_m).hk_fused_moe_route_pairs(dev)
 
 
-def gemm_layouts(dtype, block_m, pairs):
-    """The grouped variant's (gated, down, short down) GEMMs on this GPU for a call of `pairs` routed
-    pairs (launched routing in their blocks where the module does at that count, else after moe_sorting):
-    (grid, output columns per item, whether a K split of 2 sums in cluster pairs) each (hk_fused_moe_gemms)."""
-    mod = moe_module(dtype, block_m)
-    routed = int(pairs <= mod.hk_fused_moe_route_pairs())
+def gemm_layouts(dtype, block_m, routed):
+    """The grouped variant's (gated, down, short down) GEMMs on this GPU, launched routing in their blocks
+    (routed) or after moe_sorting: (grid, output columns per item, whether a K split of 2 sums in cluster
+    pairs) each (hk_fused_moe_gemms)."""
+    from hipkern.ops._common import module_for
+    dev = torch.cuda.current_device()
+    mod = module_for("fused_moe", dev, dtype=str(dtype)[6:], block_m=block_m)
     out = (ctypes.c_int32 * 9)()
-    mod.check(mod.hk_fused_moe_gemms(torch.cuda.current_device(), routed, ctypes.addressof(out)), "fused_moe gemms")
+    mod.check(mod.hk_fused_moe_gemms(dev, int(routed), ctypes.addressof(out)), "fused_moe gemms")
     return [tuple(out[3 * j:3 * j + 3]) for j in range(3)]
 
 
@@ -296,20 +298,26 @@ def plan_split(base, grid):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "sorted"])
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_in_two_parts(dtype, block_m):
+def test_split_k_in_two_parts(dtype, block_m, routed, monkeypatch):
     """Plans aimed at a K split of exactly 2, first of the gated GEMM, then of the down GEMM (2 m-blocks
     of n-tiles a quarter of the grid each), where sm_90a builds launch the grid in clusters of 2 and
     each part writes half the outputs (columns; every other token row where they are float32's split
     rows at block_m 64) from both parts' partial tiles in distributed shared memory:
     full and partial m-blocks (every token on the same 2 experts), a partial last n-tile, against the
-    reference and bitwise repeatable. On sm_90 a GEMM of 2 or more blocks an SM must use the pairs."""
+    reference and bitwise repeatable. On sm_90 a GEMM of 2 or more blocks an SM must use the pairs. Both
+    ways the GEMMs get their m-blocks: routing in their blocks (these calls' <= 256 pairs, where the
+    module routes) and after moe_sorting (forced)."""
     if block_m not in block_ms_for(dtype):
         pytest.skip(f"block_m {block_m} is not offered for {dtype}")
+    if routed and route_pairs_here(dtype, block_m) < 2 * block_m:
+        pytest.skip(f"the {dtype} block_m {block_m} GEMMs do not route in their blocks here")
+    if not routed:
+        monkeypatch.setattr(sys.modules["hipkern.ops.fused_moe"], "_block_route_pairs", lambda mod, dev: 0)
     tokens = (block_m, max(1, block_m // 2 - 1))
-    (g1, c1, p1), (g2, c2, p2), _ = gemm_layouts(dtype, block_m, 2 * tokens[0])
-    assert gemm_layouts(dtype, block_m, 2 * tokens[1])[:2] == [(g1, c1, p1), (g2, c2, p2)]
+    (g1, c1, p1), (g2, c2, p2), _ = gemm_layouts(dtype, block_m, routed)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if torch.cuda.get_device_capability() == (9, 0):
         assert p1 or g1 < 2 * sms, f"gated GEMM: {g1} blocks, no cluster pairs"
@@ -442,7 +450,7 @@ def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypat
     op = sys.modules["hipkern.ops.fused_moe"]  # the module (hipkern.ops.fused_moe is also the function's name)
     if block_m not in block_ms_for(dtype):
         pytest.skip(f"block_m {block_m} is not offered for {dtype}")
-    limit = moe_module(dtype, block_m).hk_fused_moe_route_pairs()
+    limit = route_pairs_here(dtype, block_m)
     assert limit in (0, 256)
     for t, k, e, routing in ROUTE_CASES:
         x, w1, w2, w, ids = make_case(t, **ODD, e=e, k=k, dtype=dtype, seed=t * k + e)
@@ -458,7 +466,7 @@ def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypat
         dropped[-1, 0], dropped[0, -1] = -1, e  # outside [0, E): dropped, never read through
         with_dropped = hipkern.fused_moe(x, w1, w2, w, dropped, expert_map=emap, block_m=block_m, variant="grouped")
         with monkeypatch.context() as m:
-            m.setattr(op, "_block_route_pairs", lambda mod: 0)
+            m.setattr(op, "_block_route_pairs", lambda mod, dev: 0)
             assert torch.equal(res, hipkern.fused_moe(x, w1, w2, w, ids, expert_map=emap, block_m=block_m,
                                                       variant="grouped")), f"{t} x {k} over {e}, {routing}"
             assert torch.equal(with_dropped, hipkern.fused_moe(x, w1, w2, w, dropped, expert_map=emap,

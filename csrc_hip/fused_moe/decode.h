@@ -22,8 +22,8 @@
 namespace hk {
 namespace fused_moe {
 
-constexpr int kDecodePairs = 32;
-constexpr int kDecodeMaxBlockM = 64;
+constexpr int kDecodePairs = 32;     // DownHooks' `seen`: a bit per m-block
+constexpr int kDecodeMaxBlockM = 64;  // both GEMMs' tiles and the table in one block's shared memory
 
 // out[t][4c .. 4c + 3] = the sum of y over t's kept pairs in slot order (no float atomics), over a
 // grid-stride loop of this grid. kSlots slots at a time: their ids, then their y rows (L2 hits), each

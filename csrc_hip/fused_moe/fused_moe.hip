@@ -156,9 +156,10 @@ dim3 capped_grid(int64_t n, int64_t per, int64_t most) {
 }
 
 // hidden [rows][dim] (float) as split rows xs / scales (math.h), a warp per 64-column block. The gated
-// GEMM may be scheduled at once (it waits for this grid's end, which implies sorting's: its plan reads
-// sorting's outputs). This grid waits for sorting before its first store: `inter` may reuse memory
-// that sorting's kernels still read (its workspace, freed to torch's allocator in stream order).
+// GEMM may be scheduled at once (it waits for this grid's end, which implies the previous kernel's:
+// sorting, whose outputs its plan reads, or the caller's, whose ids it routes). This grid waits for the
+// previous kernel before its first store: `inter` may reuse memory that sorting's kernels still read
+// (its workspace, freed to torch's allocator in stream order).
 template <typename U>
 __global__ __launch_bounds__(kSplitThreads) void split_rows_kernel(const U* hidden, int64_t rows, int dim,
                                                                    uint32_t* xs, float* scales) {
@@ -234,13 +235,19 @@ HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int in
   return 0;
 }
 
-// The most routed pairs (T * topk) for which the grouped variant's GEMMs route in their own blocks
-// (route.h; hk_fused_moe with no sorting outputs), or 0 where this module's tiles have no room for the
-// routing table (CDNA's 64 KB).
+// The most routed pairs (T * topk) for which the grouped variant's GEMMs route in their own blocks on
+// `device` (route.h; hk_fused_moe with no sorting outputs), or 0 where this module's tiles, or the
+// device's shared memory per block, have no room for the routing table.
 constexpr bool kCanRoute = hk::fused_moe::GemmCfg<T, M1, BM, true>::kCanRoute &&
                            hk::fused_moe::GemmCfg<T, M2, BM, false>::kCanRoute &&
                            hk::fused_moe::GemmCfg<T, M2s, BM, false>::kCanRoute;
-HK_EXPORT int hk_fused_moe_route_pairs() { return kCanRoute ? hk::fused_moe::kRoutePairs : 0; }
+int route_pairs_on(int device) {
+  using hk::fused_moe::routes_on;
+  const bool ok = routes_on<T, M1, BM, true>(device) && routes_on<T, M2, BM, false>(device) &&
+                  routes_on<T, M2s, BM, false>(device);
+  return ok ? hk::fused_moe::kRoutePairs : 0;
+}
+HK_EXPORT int hk_fused_moe_route_pairs(int device) { return route_pairs_on(device); }
 
 // Workspace of hk_fused_moe on `device` (the same for any shape and variant): floats of split-K
 // partials and ints of counters (which must be zero before the first call; every call leaves them zero).
@@ -263,21 +270,23 @@ HK_EXPORT int hk_fused_moe_workspace(int device, int64_t* partial_floats, int64_
 // ints each (gemm_layout: grid, output columns per item, split-2 parts summed in cluster pairs), as
 // launched with moe_sorting's outputs (routed 0) or routing in their blocks (1), for tests that aim a
 // plan at a split of 2.
+template <int kRows>
+int gemm_layouts(int device, int32_t* out) {
+  using hk::fused_moe::gemm_layout;
+  HK_TRY((gemm_layout<T, M1, BM, true, kRows>(device, out)));
+  HK_TRY((gemm_layout<T, M2, BM, false, kRows>(device, out + 3)));
+  return gemm_layout<T, M2s, BM, false, kRows>(device, out + 6);
+}
+template <bool kOn = kCanRoute>
+int routed_layouts(int device, int32_t* out) {
+  if constexpr (kOn) return gemm_layouts<hk::fused_moe::kOwnRoute>(device, out);
+  return hk::set_invalid("fused_moe: this module's GEMMs do not route in their blocks", __FILE__, __LINE__);
+}
 HK_EXPORT int hk_fused_moe_gemms(int device, int routed, int32_t* out) {
   HK_TRY(hk::use_device(device));
-  using hk::fused_moe::gemm_layout;
-  if (!routed) {
-    HK_TRY((gemm_layout<T, M1, BM, true>(device, out)));
-    HK_TRY((gemm_layout<T, M2, BM, false>(device, out + 3)));
-    return gemm_layout<T, M2s, BM, false>(device, out + 6);
-  }
-  if constexpr (kCanRoute) {
-    constexpr int kRows = hk::fused_moe::kOwnRoute;
-    HK_TRY((gemm_layout<T, M1, BM, true, kRows>(device, out)));
-    HK_TRY((gemm_layout<T, M2, BM, false, kRows>(device, out + 3)));
-    return gemm_layout<T, M2s, BM, false, kRows>(device, out + 6);
-  }
-  return hk::set_invalid("fused_moe: this module's GEMMs do not route in their blocks", __FILE__, __LINE__);
+  if (!routed) return gemm_layouts<hk::fused_moe::kSortedRows>(device, out);
+  HK_REQUIRE(route_pairs_on(device) > 0);
+  return routed_layouts(device, out);
 }
 
 // x [T][D], w1 [E_local][2I][D], w2 [E_local][D][I], topk_weights / topk_ids [T][topk] (ids index
@@ -310,6 +319,9 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
                       : max_padded >= 0 && max_padded % BM == 0);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
+  // Routing in the blocks (the decode kernel's, or the grouped GEMMs'): scratch for up to kRouteMaxExperts.
+  HK_REQUIRE(!(decode || routed) || num_experts <= hk::fused_moe::kRouteMaxExperts);
+  HK_REQUIRE(!routed || num_tokens * topk <= route_pairs_on(device));
   hipStream_t s = static_cast<hipStream_t>(stream);
   if (gemv) {
     const hk::fused_moe::GemvArgs a{x,   w1,          w2,  topk_weights, topk_ids,    expert_map, inter,

@@ -387,8 +387,8 @@ HK_DEVICE void gemm_phase(const GemmParams& p, unsigned char* smem_raw, const Ho
   if constexpr (kRows == kOwnRoute) {  // the ids are the caller's: complete once the gated GEMM has waited
     static_assert(C::kCanRoute, "room for the table");
     RouteTable* t = reinterpret_cast<RouteTable*>(smem_raw + C::kRouteAt);
-    route_pairs<KT, C::kRouteWaves>(p.route_ids, p.route_map, p.num_pairs, p.route_experts, BM,
-                                    reinterpret_cast<int*>(smem_raw), *t);
+    route_pairs<KT, C::kRouteWaves, C::kTmaW>(p.route_ids, p.route_map, p.num_pairs, p.route_experts, BM,
+                                               reinterpret_cast<int*>(smem_raw), *t);
     table = t;
   }
   const Plan pl = plan<kTable>(p, table, BM, KS, G);
@@ -769,6 +769,19 @@ int resident_grid(int threads, int bytes, int device, int* out) {
   return 0;
 }
 
+// Whether the GEMM can route in its blocks on `device`: room for the table in the tile (GemmCfg::kCanRoute)
+// and in the device's shared memory per block.
+template <typename T, typename M, int BM, bool Gated>
+bool routes_on(int device) {
+  if constexpr (!GemmCfg<T, M, BM, Gated>::kCanRoute) {
+    return false;
+  } else {
+    int most = 0;
+    return hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device) == hipSuccess &&
+           GemmCfg<T, M, BM, Gated>::kRoutedBytes <= most;
+  }
+}
+
 // The GEMM kernel of kRows and its dynamic shared memory.
 template <typename T, typename M, int BM, bool Gated, int kRows>
 struct GemmLaunch {
@@ -826,9 +839,11 @@ int workspace(int device, int64_t* partial_floats, int64_t* counter_ints) {
   int grid = 0;
   HK_TRY((device_slots<T, M, BM, Gated>(device, &grid)));
   if constexpr (GemmCfg<T, M, BM, Gated>::kCanRoute) {  // the larger of the two kernels' grids
-    int routed = 0;
-    HK_TRY((device_slots<T, M, BM, Gated, kOwnRoute>(device, &routed)));
-    if (routed > grid) grid = routed;
+    if (routes_on<T, M, BM, Gated>(device)) {
+      int routed = 0;
+      HK_TRY((device_slots<T, M, BM, Gated, kOwnRoute>(device, &routed)));
+      if (routed > grid) grid = routed;
+    }
   }
   *partial_floats = split_items(grid) * kSplitFloats<M>;
   *counter_ints = split_items(grid);

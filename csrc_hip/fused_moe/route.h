@@ -8,6 +8,7 @@
 #include "hipkern/moe.h"
 #include "hipkern/platform.h"
 #include "hipkern/reduce.h"
+#include "hipkern/wgmma.h"
 
 namespace hk {
 namespace fused_moe {
@@ -43,8 +44,9 @@ constexpr int route_rank_waves(int waves, int bytes) {
 // down GEMM's start 1.3 us later at 256 pairs on the H100: NOTES.md, 2026-11-28), a wave-width
 // step at a time (match_any: the step's lanes of the same expert; the lowest adds their count to the
 // wave's counter of the expert); then per expert the waves' counts become prefixes, and one block scan of
-// (pairs | m-blocks << 16) gives the experts' starts. Ends with a barrier: t is complete, scratch free.
-template <int kThreads, int kRankWaves>
+// (pairs | m-blocks << 16) gives the experts' starts. Ends with a barrier: t is complete, scratch free
+// (kAsyncAfter: also for tensor-map copies, async-proxy writes, into it).
+template <int kThreads, int kRankWaves, bool kAsyncAfter = false>
 HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n, int num_experts, int bm,
                            int* scratch, RouteTable& t) {
   constexpr int kPairsPer = (kRoutePairs + kThreads - 1) / kThreads;
@@ -100,13 +102,15 @@ HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n,
       c += v;
     }
     cnt[x] = c;
-    sum += c + ((c + bm - 1) / bm << 16);
+    start[x] = c + ((c + bm - 1) / bm << 16);  // packed (pairs | m-blocks << 16), each <= 256: no carry
+    sum += start[x];
   }
   int total;
   int run = block_exclusive_sum<kThreads>(sum, scan, total);
   for (int x = e0; x < e1; ++x) {
+    const int packed = start[x];
     start[x] = run;
-    run += cnt[x] + ((cnt[x] + bm - 1) / bm << 16);
+    run += packed;
   }
   if (threadIdx.x == 0) t.n_mblocks = total >> 16;
   __syncthreads();
@@ -124,6 +128,7 @@ HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n,
       t.hi[mb0 + b] = (int16_t)(s + min(c, (b + 1) * bm));
     }
   }
+  if constexpr (kAsyncAfter) fence_async_shared();  // this thread's scratch accesses before the copies' writes
   __syncthreads();
 }
 

@@ -4,7 +4,7 @@
 builds a separate copy of the fused_moe module with ``HK_MOE_TRACE`` defined, in which thread 0 of
 every block records ``%globaltimer`` at the phase boundaries (csrc_hip/fused_moe/gemm.h, decode.h): of
 the one-launch decode kernel, or of the grouped chain's gated GEMM, down GEMM and combine launches
-(moe_sorting, its own module, is not traced). It runs the variant on random bf16 weights and prints per
+(moe_sorting, its own module, where the chain runs it above 256 pairs, is not traced). It runs the variant on random bf16 weights and prints per
 point the minimum, 10th percentile, median, 90th percentile and maximum over the blocks in
 microseconds from the earliest block start, and the call's median time by events. ``--case N`` traces
 benchmark case N (bf16) as the benchmark and the database run it, and gives each GEMM phase's rate

@@ -107,8 +107,8 @@ MODULE_FAMILIES = {
             # device, routed, int32* out [9] (out): grid, columns per item, cluster pairs of the 3 GEMMs, as
             # launched with sorting outputs (routed 0) or routing in their blocks (1) (tests)
             ("hk_fused_moe_gemms", "i32", ("i32", "i32", "ptr")),
-            # the most pairs whose grouped GEMMs route in their own blocks (0: none)
-            ("hk_fused_moe_route_pairs", "i32", ()),
+            # device: the most pairs whose grouped GEMMs route in their own blocks there (0: none)
+            ("hk_fused_moe_route_pairs", "i32", ("i32",)),
             # num_tokens, topk, dim, inter_dim, variant, int64* bytes (out): the size of hk_fused_moe's inter
             ("hk_fused_moe_inter_bytes", "i32", ("i32", "i32", "i32", "i32", "i32", "ptr")),
             # x, w1, w2, topk_weights, topk_ids, expert_map, sorted_ids, expert_ids, num_post, inter, y,

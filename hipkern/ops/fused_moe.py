@@ -254,15 +254,15 @@ def _workspace(mod, dev: int, device: torch.device):
     return partials, counters
 
 
-def _block_route_pairs(mod) -> int:
+def _block_route_pairs(mod, dev: int) -> int:
     """The most routed pairs (tokens x topk) for which the grouped variant's GEMMs group the pairs by
     expert in their own blocks (csrc_hip/fused_moe/route.h) instead of after a moe_sorting launch: on the
     H100 that launch and the wait for it were ~4-5 us of a decode-sized call (NOTES.md, 2026-11-28).
-    0 where the module's tiles have no room for the table (CDNA's 64 KB of LDS)."""
-    n = getattr(mod, "_route_pairs", None)
-    if n is None:
-        n = mod._route_pairs = int(mod.hk_fused_moe_route_pairs())
-    return n
+    0 where the module's tiles, or GPU `dev`'s shared memory per block, have no room for the table."""
+    cache = mod.__dict__.setdefault("_route_pairs", {})
+    if dev not in cache:
+        cache[dev] = int(mod.hk_fused_moe_route_pairs(dev))
+    return cache[dev]
 
 
 def _ptr(t):
@@ -277,7 +277,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
     mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
-    if variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod):  # routes in its own kernels
+    if variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod, dev):  # routes in its own kernels
         sorting = (None, None, None)
         max_padded = 0
     else:

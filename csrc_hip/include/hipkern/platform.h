@@ -426,7 +426,7 @@ HK_DEVICE lanemask_t match_any(uint32_t v, int bits) {
   (void)bits;
   return __match_any_sync(kFullMask, v);
 #else
-  lanemask_t m = ~(lanemask_t)0;
+  lanemask_t m = ballot(true);  // the wave's lanes (32 of the 64 bits on a wave32 HIP target)
   for (int b = 0; b < bits; ++b) {
     const bool set = (v >> b) & 1u;
     const lanemask_t on = ballot(set);
