@@ -68,7 +68,7 @@ HK_DEVICE void route_pairs(const int32_t* ids, const int32_t* expert_map, int n,
 #pragma unroll
   for (int i = 0; i < kPairsPer; ++i) {
     const int p = threadIdx.x + i * kThreads;
-    if (p < n) key[p] = moe_pair_kept(e[i], E, expert_map) ? e[i] : E;
+    if (p < n) key[p] = moe_kept_expert(e[i], E, expert_map);
   }
   for (int x = threadIdx.x; x < kRankWaves * E; x += kThreads) wcnt[x] = 0;
   __syncthreads();

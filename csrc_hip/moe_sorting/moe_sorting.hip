@@ -67,7 +67,7 @@ struct RankSmem {
 HK_DEVICE int expert_at(const Args& a, int begin, int off, int len) {
   if (off >= len) return a.num_experts;
   const int e = a.ids[begin + off];
-  return moe_pair_kept(e, a.num_experts, a.expert_map) ? e : a.num_experts;
+  return moe_kept_expert(e, a.num_experts, a.expert_map);
 }
 
 // One wave's pairs [lo, lo + len), len <= kSteps * wave size, with their experts in registers
@@ -90,7 +90,7 @@ struct WavePairs {
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {  // (a check in the loop above would wait for each load in turn)
       if (s * kWaveSize >= len) break;
-      if (!moe_pair_kept(e[s], a.num_experts, a.expert_map)) e[s] = a.num_experts;
+      e[s] = moe_kept_expert(e[s], a.num_experts, a.expert_map);
     }
   }
 

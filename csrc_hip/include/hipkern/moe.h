@@ -11,4 +11,9 @@ HK_DEVICE bool moe_pair_kept(int e, int num_experts, const int32_t* expert_map) 
   return (unsigned)e < (unsigned)num_experts && (expert_map == nullptr || expert_map[e] >= 0);
 }
 
+// The pair's expert e if it is kept, else num_experts (the "no expert" key of the sorting paths).
+HK_DEVICE int moe_kept_expert(int e, int num_experts, const int32_t* expert_map) {
+  return moe_pair_kept(e, num_experts, expert_map) ? e : num_experts;
+}
+
 }  // namespace hk
