@@ -776,9 +776,16 @@ bool routes_on(int device) {
   if constexpr (!GemmCfg<T, M, BM, Gated>::kCanRoute) {
     return false;
   } else {
-    int most = 0;
-    return hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device) == hipSuccess &&
-           GemmCfg<T, M, BM, Gated>::kRoutedBytes <= most;
+    static int cache[64] = {0};  // per device: 0 not asked yet, 1 no, 2 yes (asked on every routed call)
+    int known = device >= 0 && device < 64 ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) : 0;
+    if (known == 0) {
+      int most = 0;
+      const bool fits = hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device) == hipSuccess &&
+                        GemmCfg<T, M, BM, Gated>::kRoutedBytes <= most;
+      known = fits ? 2 : 1;
+      if (device >= 0 && device < 64 && most > 0) __atomic_store_n(&cache[device], known, __ATOMIC_RELAXED);
+    }
+    return known == 2;
   }
 }
 
