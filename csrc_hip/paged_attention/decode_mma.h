@@ -174,15 +174,21 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const int kvh = work.kvh, head0 = work.head0, nh = work.nh;
 
   // Query rows: 16-byte copies (in the first pipeline group) where aligned, else element by element.
-  // Nothing here waits for the context length (uniform split: skipped blocks copy them for nothing).
+  // With a pipeline, the copies go after the first tile's K/V copies (below): issued here, a 64-head
+  // block's 32 KB of them were in the memory system's queues ahead of the context length and block
+  // table reads that the first K/V copies wait for.
   const T* q = static_cast<const T*>(p.q) + (int64_t)seq * p.q_stride_s + (int64_t)head0 * p.q_stride_h;
   const bool q_async = reinterpret_cast<uintptr_t>(q) % 16 == 0 && p.q_stride_h % C::kVec == 0;
-  if (q_async) {
-    for (int i = threadIdx.x; i < C::kRows * C::kChunks; i += C::kThreads) {
-      const int h = i / C::kChunks, c = i % C::kChunks;
-      async_copy16_or_zero(q_s + C::at(h, c), q + (h < nh ? h * p.q_stride_h : 0) + c * C::kVec, h < nh);
+  auto copy_q_rows = [&] {
+    if (q_async) {
+      for (int i = threadIdx.x; i < C::kRows * C::kChunks; i += C::kThreads) {
+        const int h = i / C::kChunks, c = i % C::kChunks;
+        async_copy16_or_zero(q_s + C::at(h, c), q + (h < nh ? h * p.q_stride_h : 0) + c * C::kVec, h < nh);
+      }
     }
-  }
+  };
+  constexpr bool kQLate = C::kStages > 1;  // the copies in the prologue's first group
+  if constexpr (!kQLate) copy_q_rows();
   const int32_t* bt = p.block_tables + (int64_t)seq * p.bt_stride;
   // Each thread's j-th 16-byte K (and V) copy of a tile is chunk copy_chunk(j) of row copy_row(j).
   auto copy_row = [](int j) { return (int)(threadIdx.x + j * C::kThreads) / C::kChunks; };
@@ -289,6 +295,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       } else {
         load_tile(s, [&](int j, int r) -> int64_t { return t0 + r < end ? ahead[s][j] : -1; });
       }
+      if (kQLate && s == 0) copy_q_rows();
     }
     async_copy_commit();
   }
