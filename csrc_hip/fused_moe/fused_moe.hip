@@ -324,8 +324,9 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   HK_REQUIRE(!routed || num_tokens * topk <= route_pairs_on(device));
   hipStream_t s = static_cast<hipStream_t>(stream);
   if (gemv) {
-    const hk::fused_moe::GemvArgs a{x,   w1,          w2,  topk_weights, topk_ids,    expert_map, inter,
-                                    out, num_tokens, topk, num_experts,  dim,         inter_dim,  activation};
+    const hk::fused_moe::GemvArgs a{x,    w1,         w2,   topk_weights, topk_ids,          expert_map, inter,
+                                    out,  num_tokens, topk, num_experts,  num_local_experts, dim,        inter_dim,
+                                    activation};
     return hk::fused_moe::launch_gemv<T>(a, variant == kGemvMma, s);
   }
   const int num_pairs = num_tokens * topk;

@@ -44,7 +44,7 @@ struct GemvArgs {
   const int32_t* expert_map;
   void* inter;  // [T k][I] (T)
   void* out;    // [T][D]
-  int num_tokens, topk, num_experts, dim, inter_dim, activation;
+  int num_tokens, topk, num_experts, num_local_experts, dim, inter_dim, activation;  // experts: ids', w1's
   uint32_t inv_pairs;  // ceil(2^32 / (num_tokens * topk)) for two pairs or more, set by launch_gemv
 };
 
@@ -67,11 +67,14 @@ struct GemvCfg {
   static constexpr int kDownMinBlocks = 4;
 };
 
-// The pair's local expert, or -1 when the pair is dropped.
+// The pair's local expert, or -1 when the pair is dropped: its id outside [0, num_experts), remote, or
+// mapped past w1's experts (a map value only validate=True rejects: the grouped GEMMs read zeros there,
+// and these kernels must not read past w1 / w2 either).
 HK_DEVICE int gemv_local_expert(const GemvArgs& a, int pair) {
   const int e = a.ids[pair];
   if (!moe_pair_kept(e, a.num_experts, a.expert_map)) return -1;
-  return a.expert_map != nullptr ? a.expert_map[e] : e;
+  const int le = a.expert_map != nullptr ? a.expert_map[e] : e;
+  return (unsigned)le < (unsigned)a.num_local_experts ? le : -1;
 }
 
 // The gated kernels' block b = i * pairs + p (pair fastest): row i of I and pair p. b / pairs as a
