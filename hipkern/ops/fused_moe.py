@@ -168,6 +168,8 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
     topk = topk_ids.shape[1]
     check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
     vec = 16 // hidden_states.element_size()
+    if dim < 1:
+        raise ValueError(f"hidden_states must have at least one column (model_dim), got shape {tuple(hidden_states.shape)}")
     if dim % vec or inter % vec:
         raise ValueError(f"model_dim ({dim}, hidden_states' columns) and inter_dim ({inter}, half of w1's rows) must "
                          f"be multiples of {vec} for {DTYPE_NAMES[dtype]} (16-byte rows)")
@@ -245,12 +247,12 @@ def _workspace(mod, dev: int, device: torch.device):
     if rc:
         mod.check(rc, "fused_moe workspace")
     partials = torch.empty((floats.value,), dtype=torch.float32, device=device)
+    if torch.cuda.is_current_stream_capturing():  # never the stream's eager counters: a graph may replay
+        return partials, torch.zeros((ints.value,), dtype=torch.int32, device=device)  # on any stream
     key = (dev, raw_stream(dev), ints.value)
     counters = _counters.get(key)
     if counters is None:
-        counters = torch.zeros((ints.value,), dtype=torch.int32, device=device)
-        if not torch.cuda.is_current_stream_capturing():
-            _counters[key] = counters
+        counters = _counters[key] = torch.zeros((ints.value,), dtype=torch.int32, device=device)
     return partials, counters
 
 
