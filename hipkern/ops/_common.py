@@ -34,6 +34,41 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=No
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def is_float32(v) -> bool:
+    """Whether `v` is a real number (not a bool) that float32, the kernels' type, holds as a finite value."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return abs(float(v)) <= _FLOAT32_MAX
+    except OverflowError:  # an int past float64's range
+        return False
+
+
+def _byte_span(t: torch.Tensor) -> tuple:
+    """[first, last) byte addresses that t's elements lie in (empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
+
+
+def check_no_overlap(name: str, out: torch.Tensor, alias_ok: str | None = None, **inputs) -> None:
+    """Raise ValueError unless `out` shares no memory with any of `inputs`; the input named `alias_ok`
+    may also be exactly `out` (same address and strides: an in-place call). Addresses only, so it runs
+    at launch, never while tracing."""
+    lo, hi = _byte_span(out)
+    for other, t in inputs.items():
+        if other == alias_ok and t.data_ptr() == out.data_ptr() and t.stride() == out.stride():
+            continue
+        a, b = _byte_span(t)
+        if lo < b and a < hi:
+            how = " (only exactly the same tensor may be passed)" if other == alias_ok else ""
+            raise ValueError(f"{name} must not overlap {other} in memory{how}")
+
+
 def check_device(device, **tensors) -> None:
     """Raise ValueError naming the first of `tensors` that is not on `device`."""
     for name, t in tensors.items():

@@ -2,12 +2,10 @@
 topk_group) -> (weights, ids)``."""
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_out, check_tensor, lib, module_for,
-                      on_device, raw_stream)
+from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_out, check_tensor, is_float32, lib,
+                      module_for, on_device, raw_stream)
 
 __all__ = ["grouped_topk", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
 
@@ -33,8 +31,8 @@ def _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group
             and gating_logits.dtype in _DTYPES and gating_logits.is_contiguous()
             and type(topk) is int and type(num_expert_group) is int and type(topk_group) is int
             and 1 <= num_expert_group <= MAX_GROUPS and 1 <= topk_group <= num_expert_group
-            and scoring in SCORINGS and type(renormalize) is bool and type(routed_scaling_factor) is float
-            and math.isfinite(routed_scaling_factor)):
+            and type(scoring) is str and scoring in SCORINGS and type(renormalize) is bool
+            and type(routed_scaling_factor) is float and is_float32(routed_scaling_factor)):
         num_experts = gating_logits.shape[1]
         if (num_experts <= MAX_EXPERTS and num_experts % num_expert_group == 0
                 and 1 <= topk <= min(MAX_TOPK, topk_group * (num_experts // num_expert_group))
@@ -60,13 +58,13 @@ def _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group
     kept = topk_group * (num_experts // num_expert_group)
     check_int("topk", topk, 1, min(MAX_TOPK, kept),
               f" (at most {MAX_TOPK} and at most the experts of the kept groups, {kept})")
-    if scoring not in SCORINGS:
+    if not isinstance(scoring, str) or scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
-            or not math.isfinite(routed_scaling_factor):
-        raise ValueError(f"routed_scaling_factor must be a finite float, got {routed_scaling_factor!r}")
+    if not is_float32(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor must be a float finite in float32 (the kernel's type), got "
+                         f"{routed_scaling_factor!r}")
     outs = check_routing_out(out, num_tokens, topk)
     check_tensor("gating_logits", gating_logits)
     others = {} if correction_bias is None else {"correction_bias": correction_bias}

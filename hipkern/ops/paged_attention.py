@@ -18,7 +18,8 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import DTYPE_NAMES, check_device, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import (DTYPE_NAMES, check_device, check_no_overlap, check_tensor, is_float32, lib, module_for,
+                      on_device, raw_stream)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
@@ -272,6 +273,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         raise ValueError(f"key_cache head size {d} (layout {kv_layout}) differs from query's {head_size}")
     if bs < 1 or bs & (bs - 1) or bs > 1024:
         raise ValueError(f"key_cache block size must be a power of two up to 1024 (layout {kv_layout}), got {bs}")
+    if num_q_heads < 1:
+        raise ValueError(f"query must have at least one head, got shape {tuple(query.shape)}")
     if hkv < 1 or num_q_heads % hkv:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of key_cache's KV heads ({hkv}, "
                          f"layout {kv_layout})")
@@ -292,8 +295,8 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(num_seqs,), gpu=False)
     if not 1 <= num_seqs <= 65535:
         raise ValueError(f"query must hold 1..65535 sequences, got {num_seqs}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if scale is not None and not is_float32(scale):
+        raise ValueError(f"scale must be a float finite in float32 (the kernels' type) or None, got {scale!r}")
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if variant is not None and variant not in VARIANTS:
@@ -331,6 +334,10 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
             raise ValueError(f"{name} must start at a 16-byte aligned address")
     if out.data_ptr() % (4 * out.element_size()):  # written 4 elements at a time
         raise ValueError(f"out must start at a {4 * out.element_size()}-byte aligned address")
+    # Blocks write their heads' output rows while others still read: out may be query itself, nothing else.
+    check_no_overlap("out", out, "query", query=query, key_cache=key_cache, value_cache=value_cache,
+                     block_tables=block_tables, context_lens=context_lens)
+    nb = min(nb, 2**31 - 1)  # block ids are int32: blocks past that cannot be named (an expanded cache)
     dev = query.get_device()
     mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
     params = {}
@@ -434,6 +441,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     Returns out, or (out, lse). fp32 accumulation; num_q_heads / num_kv_heads from 1 to 64. No host
     sync and workspaces sized from shapes only: safe under CUDA-graph capture and torch.compile.
     """
+    if variant is not None and not isinstance(variant, str):
+        raise ValueError(f"variant must be None or a str, got {type(variant).__name__}")
     variant = ALIASES.get(variant, variant)
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
               variant)
