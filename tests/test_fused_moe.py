@@ -490,6 +490,35 @@ def test_expert_map_into_more_than_32767_local_experts(variant, t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant,t", [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40), ("grouped", 300)])
+def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
+    """expert_map values at or past w1's expert count (only validate=True rejects them) drop their pairs,
+    as remote ones do, on every path; no kernel reads past w1 or w2: both are views at the start of
+    NaN-filled buffers with room for the mapped experts, so a read past them would spread NaN. A token
+    whose every pair maps past w1 gets an exact zero row."""
+    e, e_local, k, dtype, d, i = 16, 8, 4, torch.bfloat16, ODD["d"], ODD["i"]
+    w1, w2 = make_weights(e_local, d, i, dtype, seed=t)
+    buf1 = torch.full((e_local + 4, 2 * i, d), math.nan, dtype=dtype, device="cuda")
+    buf2 = torch.full((e_local + 4, d, i), math.nan, dtype=dtype, device="cuda")
+    buf1[:e_local], buf2[:e_local] = w1, w2
+    w1v, w2v = buf1[:e_local], buf2[:e_local]
+    emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    emap[:e_local] = torch.randperm(e_local, generator=_gen(t), device="cuda").to(torch.int32)
+    emap[e_local:e_local + 4] = torch.tensor([e_local, e_local + 1, e_local + 3, 2**31 - 1], dtype=torch.int32)
+    x, w = make_tokens(t, d, dtype, seed=t), routing_weights(t, k, seed=t)
+    ids = uniform_ids(t, k, e, seed=t)
+    ids[0] = torch.arange(e_local, e_local + k, dtype=torch.int32, device="cuda")  # every pair mapped past w1
+    ref_map = torch.where(emap >= e_local, -1, emap)  # what the kernels must do with them: drop the pair
+    out = poison(torch.empty_like(x))
+    hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
+    ref = reference(x, w1, w2, w, ids, expert_map=ref_map)
+    assert checkAllclose(out, ref, msg=f"{variant} T={t} ", **TOL[dtype]) == 0
+    assert (out[0] == 0).all()
+    with pytest.raises(ValueError, match="expert_map values"):
+        hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, validate=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_experts_remote_gives_zeros(dtype):
     x, w1, w2, w, ids = make_case(33, **SMALL, e=16, k=4, dtype=dtype)
@@ -684,6 +713,45 @@ def test_cuda_graph_capture_and_replay_with_new_routing(dtype, block_m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["grouped", "decode"])
+def test_a_graph_captured_on_a_warm_stream_has_counters_of_its_own(variant, monkeypatch):
+    """The split-K arrival counters (and the decode variant's grid barrier) are kept per stream for eager
+    calls; a call captured on a stream that eager calls already used must still get counters of its own,
+    since the graph may be replayed on another stream while eager calls run on the first. Then a replay
+    on a second stream, concurrent with eager calls on the first, is checked against the reference."""
+    op = sys.modules["hipkern.ops.fused_moe"]
+    t, e, k, dtype = 4 if variant == "decode" else 40, 64, 8, torch.bfloat16
+    x, w1, w2, w, ids = make_case(t, 2048, 128, e, k, dtype, seed=11)  # D 2048: the gated GEMM splits K
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager_out = hipkern.fused_moe(x, w1, w2, w, ids, variant=variant)  # the stream's counters now exist
+    side.synchronize()
+    eager = {c.data_ptr() for c in op._counters.values()}
+    assert eager, "an eager grouped / decode call keeps its counters"
+    seen = []
+    real = op._workspace
+    monkeypatch.setattr(op, "_workspace", lambda *a: seen.append(real(*a)) or seen[-1])
+    out = torch.empty_like(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        hipkern.fused_moe(x, w1, w2, w, ids, variant=variant, out=out)
+    assert seen and all(c.data_ptr() not in eager for _, c in seen)
+    ref = reference(x, w1, w2, w, ids)
+    other.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        poison(out)
+        other.wait_stream(side)
+        with torch.cuda.stream(other):
+            g.replay()
+        with torch.cuda.stream(side):
+            again = [hipkern.fused_moe(x, w1, w2, w, ids, variant=variant) for _ in range(4)]
+        torch.cuda.synchronize()
+        assert checkAllclose(out, ref, msg=f"{variant} replay ", **TOL[dtype]) == 0
+        assert all(torch.equal(a, eager_out) for a in again)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,i,e,k,t", [(torch.bfloat16, 256, 128, 64, 8, 2048),
                                              (torch.float32, 256, 128, 64, 8, 2048),
                                              (torch.bfloat16, 7168, 256, 256, 8, 32)])
@@ -821,6 +889,7 @@ BAD = [
     (dict(hidden_states=_bf(16)), {}, "hidden_states"),
     (dict(hidden_states=_bf(16, 4).t()), {}, "hidden_states"),
     (dict(hidden_states=[[1.0] * 16] * 4), {}, "hidden_states"),
+    (_cpu_case(d=0), {}, "hidden_states must have at least one column"),
     # w1: dtype, ndim, odd second dim, D mismatch
     (dict(w1=torch.randn(4, 16, 16, dtype=torch.float16)), {}, "w1"),
     (dict(w1=_bf(16, 16)), {}, "w1"),

@@ -458,7 +458,11 @@ def _call(c, **kw):
     ({}, dict(variant="v8"), r"variant must be None or one of \['v16', 'v3', 'v5', 'v6', 'v9', 'v4', 'v7'\]"),
     (dict(query=torch.randn(4097, 8, 128, dtype=torch.bfloat16), block_tables=torch.zeros(4097, 4, dtype=torch.int32),
           context_lens=torch.ones(4097, dtype=torch.int32)), dict(variant="v5"), "v5 supports at most 4096 sequences"),
-    ({}, dict(scale=float("nan")), "scale must be a finite float"),
+    ({}, dict(scale=float("nan")), "scale must be a float finite in float32"),
+    ({}, dict(scale=1e39), "scale must be a float finite in float32"),  # finite in float64, inf in the kernels
+    ({}, dict(scale=10**400), "scale must be a float finite in float32"),
+    ({}, dict(variant=["v3"]), "variant must be None or a str, got list"),
+    (dict(query=torch.randn(2, 0, 128, dtype=torch.bfloat16)), {}, "query must have at least one head"),
     ({}, dict(return_lse=1), "return_lse must be a bool"),
     ({}, dict(out=torch.empty(2, 8, 64, dtype=torch.bfloat16)), r"out must have shape \(2, 8, 128\)"),
     ({}, {}, "query must be on a GPU"),
@@ -506,3 +510,43 @@ def test_reference_handles_both_layouts():
     b = paged_attention_ref(c["query"], k_hnd, v_hnd, c["block_tables"], c["context_lens"], kv_layout="HND")
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert (a[0][1] == 0).all() and (a[1][1] == -math.inf).all()
+
+
+def test_out_overlapping_an_input_is_rejected_at_launch():
+    """Blocks write their heads' output rows while other blocks still read query rows (and the cache):
+    out may be query itself (in place), but share no other memory with an input. Checked at launch
+    (addresses), so on a GPU; the check itself is exercised here on CPU tensors."""
+    from hipkern.ops._common import check_no_overlap
+
+    buf = torch.randn(4, 8, 128)
+    q = buf[:2]
+    check_no_overlap("out", q, "query", query=q)  # in place: allowed
+    check_no_overlap("out", buf[2:], "query", query=q)  # disjoint
+    with pytest.raises(ValueError, match=r"out must not overlap query in memory \(only exactly the same"):
+        check_no_overlap("out", buf[1:3], "query", query=q)
+    with pytest.raises(ValueError, match="out must not overlap key_cache in memory"):
+        check_no_overlap("out", buf[:2], "query", query=torch.randn(2, 8, 128), key_cache=buf)
+    strided = torch.randn(2, 16, 128)[:, :8]  # query's heads interleaved with other memory
+    with pytest.raises(ValueError, match="out must not overlap query"):
+        check_no_overlap("out", strided.as_strided((2, 8, 128), (1024, 128, 1), 1024), "query", query=strided)
+    check_no_overlap("out", torch.empty(0, 8, 128), "query", query=q)  # nothing written
+
+
+@pytest.mark.gpu
+def test_out_overlapping_query_is_rejected_and_out_is_query_works():
+    torch.manual_seed(5)
+    s, hq, hkv, d, bs = 3, 8, 2, 128, 16
+    k = torch.randn(8, bs, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    bt = torch.arange(6, dtype=torch.int32, device="cuda").view(3, 2)
+    cl = torch.tensor([5, 32, 17], dtype=torch.int32, device="cuda")
+    buf = torch.randn(s + 1, hq, d, dtype=torch.bfloat16, device="cuda")
+    q = buf[:s]
+    want = paged_attention_ref(q, k, v, bt, cl)[0]
+    with pytest.raises(ValueError, match="out must not overlap query"):
+        hipkern.paged_attention_decode(q, k, v, bt, cl, out=buf[1:])
+    with pytest.raises(ValueError, match="out must not overlap key_cache"):
+        hipkern.paged_attention_decode(q, k, v, bt, cl, out=k.view(-1)[: q.numel()].view(q.shape))
+    res = hipkern.paged_attention_decode(q, k, v, bt, cl, out=q)  # in place
+    assert res is q
+    assert checkAllclose(res, want, **TOL[torch.bfloat16]) == 0
