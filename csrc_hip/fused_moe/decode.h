@@ -239,8 +239,8 @@ int launch_decode(GemmParams g1, GemmParams g2, DecodeArgs d, float* partials, i
   g2.counters = counters + items;
   d.sync = counters + 2 * items;
   HK_TRY(allow_shared(kernel, raised<&decode_kernel<T, M1, M2, BM>>(), C::bytes, device));
-  hipLaunchKernelGGL(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, g1, g2, d);
-  HK_CHECK_LAUNCH("fused_moe decode_kernel");
+  // Cooperative: the grid barrier and the down items' waits need every block resident.
+  HK_CHECK(launch_cooperative(kernel, dim3((unsigned)grid), dim3(C::kThreads), C::bytes, stream, g1, g2, d));
   return 0;
 }
 

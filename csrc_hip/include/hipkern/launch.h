@@ -84,6 +84,26 @@ hipError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 
 #endif
 }
 
+// Launch `kernel` with every block of the grid resident at once, or fail (a cooperative launch), for a
+// grid whose blocks wait for each other: under a plain launch, a kernel on another stream holding part
+// of the GPU leaves some blocks unscheduled while the resident ones spin on them, for ever. The grid
+// may not exceed the blocks the device holds at once (resident_blocks x SMs).
+template <typename... Params, typename... Args>
+hipError_t launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
+                              Args... args) {
+#if defined(HK_PLATFORM_CUDA)
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr, 1);
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+#else
+  static_assert(sizeof...(Params) == sizeof...(Args), "one argument a parameter");
+  void* params[] = {static_cast<void*>(&args)...};
+  return hipLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, block, params, smem, stream);
+#endif
+}
+
 template <typename... Params, typename... Args>
 hipError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem, hipStream_t stream,
                             Args... args) {
