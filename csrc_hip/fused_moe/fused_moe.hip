@@ -335,7 +335,9 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   const bool short_down = !decode && inter_dim <= kShortK;  // the down GEMM on M2s
   const int cols2 = short_down ? hk::fused_moe::GemmCfg<T, M2s, BM, false>::kCols
                                : hk::fused_moe::GemmCfg<T, M2, BM, false>::kCols;
-  HK_REQUIRE((int64_t)max_mblocks * ((dim + cols2 - 1) / cols2) < (1ll << 31));
+  // Both GEMMs' work items (m-blocks x n-tiles), and the item loops' steps past them, in int (gemm.h plan).
+  HK_REQUIRE((int64_t)max_mblocks * ((inter_dim + kCols1 - 1) / kCols1) < (1ll << 30));
+  HK_REQUIRE((int64_t)max_mblocks * ((dim + cols2 - 1) / cols2) < (1ll << 30));
 
   hk::fused_moe::GemmParams g1{};
   g1.sorted_ids = sorted_ids;

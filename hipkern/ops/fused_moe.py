@@ -312,6 +312,12 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     variant, block_m = launch_choice(hidden_states.get_device(), hidden_states.shape[0], hidden_states.shape[1],
                                      w2.shape[2], _routed_experts(w1, expert_map), topk_ids.shape[1],
                                      hidden_states.dtype, block_m, variant)
+    if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
+        pairs, dim, inter = topk_ids.numel(), hidden_states.shape[1], w2.shape[2]
+        mblocks = -(-pairs // block_m) + _routed_experts(w1, expert_map)  # at most one partial block an expert
+        if mblocks * -(-max(dim, inter) // 8) >= 2**30:
+            raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
+                             f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               expert_map, block_m, variant, out)
 
