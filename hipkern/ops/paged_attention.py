@@ -155,6 +155,9 @@ def merges_in_clusters(mod, kernel: str, heads_per_block: int, num_partitions: i
 
 
 def _split(shape: Shape, partition_size: int) -> Plan:
+    # Whole tiles: the tensor-map kernels load a tile's rows in boxes from the cache block of its first
+    # token, so a partition starting inside a box (a database row's 100 tokens) would read zeros.
+    partition_size = max(1, math.ceil(partition_size / shape.tile)) * shape.tile
     parts = max(1, math.ceil(shape.max_tokens / partition_size))
     if parts > MAX_PARTITIONS:  # larger partitions, whole tiles, within the grid
         partition_size = math.ceil(shape.max_tokens / MAX_PARTITIONS / shape.tile) * shape.tile
