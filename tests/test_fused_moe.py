@@ -519,6 +519,19 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
 
 
 @pytest.mark.gpu
+def test_more_work_items_than_int32_indexing_is_a_value_error():
+    """The grouped GEMMs count work items (m-blocks x column tiles) in int32; past that the call is refused
+    before any launch (2^27 pairs at block_m 64 over an inter_dim of 4096: 2^21 m-blocks x 512 tiles of 8)."""
+    t, k = 2**24, 8
+    x = torch.zeros(t, 8, dtype=torch.bfloat16, device="cuda")
+    w1 = torch.zeros(1, 8192, 8, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.zeros(1, 8, 4096, dtype=torch.bfloat16, device="cuda")
+    w, ids = torch.zeros(t, k, device="cuda"), torch.zeros(t, k, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="split the tokens over calls"):
+        hipkern.fused_moe(x, w1, w2, w, ids, block_m=64, variant="grouped")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_experts_remote_gives_zeros(dtype):
     x, w1, w2, w, ids = make_case(33, **SMALL, e=16, k=4, dtype=dtype)

@@ -224,10 +224,11 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("partition_size", [64, 128, 512])
+@pytest.mark.parametrize("partition_size", [64, 100, 128, 512])
 def test_pinned_partition_sizes_on_two_streams(partition_size):
     """Partition boundaries +-1, up to 64 partitions and an empty context in one batch, each variant
-    pinned to a partition size, on the default and a side stream."""
+    pinned to a partition size, on the default and a side stream. 100 is no multiple of any kernel's
+    tile (a database row may hold it): the op rounds it up to whole tiles."""
     lens = [0, 1, partition_size - 1, partition_size, partition_size + 1, 3 * partition_size + 7, 4096]
     case = make_case(lens, num_kv_heads=2, group=8, seed=partition_size)
     side = torch.cuda.Stream()
@@ -491,6 +492,8 @@ def test_split_stays_within_the_grid():
         assert 1 <= plan.num_partitions <= MAX_PARTITIONS
         assert plan.num_partitions * plan.partition_size >= max_tokens
         assert plan.num_partitions == 1 or (plan.num_partitions - 1) * plan.partition_size < max_tokens
+        assert plan.num_partitions == 1 or plan.partition_size % shape.tile == 0  # whole tiles
+    assert _split(Shape(1, 1, 1, 4096, 132, 64, 1), 100) == _split(Shape(1, 1, 1, 4096, 132, 64, 1), 128)
 
 
 def test_gqa_above_64_rejected():
