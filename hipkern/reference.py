@@ -134,8 +134,10 @@ def fused_moe_ref(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     if num_tokens == 0 or k == 0:
         return out
     local = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        local = expert_map.to(local.device).long()[local]
+    if expert_map is not None:  # ids outside [0, len(expert_map)) are dropped (-1), never wrapped to its end
+        emap = expert_map.to(local.device).long()
+        inside = (local >= 0) & (local < emap.numel())
+        local = torch.where(inside, emap[local.clamp(0, emap.numel() - 1)], -1)
     weights = topk_weights.reshape(-1)
     for e in torch.unique(local).tolist():
         if e < 0:  # remote expert

@@ -64,10 +64,14 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill `t` with NaN (floating) or an out-of-range sentinel (integer), so unwritten elements show."""
-    if t.dtype.is_floating_point:
+    """Fill `t` with NaN (floating) or an out-of-range sentinel (integer: the most negative value, the largest
+    for unsigned types), so unwritten elements show. bool has no sentinel: a TypeError."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
         return t.fill_(math.nan)
-    return t.fill_(torch.iinfo(t.dtype).min)
+    if t.dtype == torch.bool:
+        raise TypeError("poison: bool has no out-of-range value to mark unwritten elements")
+    info = torch.iinfo(t.dtype)
+    return t.fill_(info.min if info.min < 0 else info.max)
 
 
 def l2_bytes(device=None) -> int:

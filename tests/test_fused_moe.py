@@ -1033,6 +1033,13 @@ def test_reference_matches_a_loop_over_pairs(dtype, activation):
     torch.testing.assert_close(got, _pair_loop(x, w1[:3], w2[:3], w, ids, activation, emap, inter),
                                rtol=1e-12, atol=1e-12)
     assert (got[2] == 0).all()
+    # ids outside [0, E) through a map are dropped, not wrapped to the map's last entries (-1 -> emap[5])
+    out_of_range = ids.clone()
+    out_of_range[3] = torch.tensor([-1, 6, -7], dtype=torch.int32)
+    got = fused_moe_ref(x, w1[:3], w2[:3], w, out_of_range, activation, emap, torch.float64, inter)
+    assert (got[3] == 0).all()
+    torch.testing.assert_close(got[4:], _pair_loop(x, w1[:3], w2[:3], w, ids, activation, emap, inter)[4:],
+                               rtol=1e-12, atol=1e-12)
     # the benchmark's naive loop: the same sums in the input dtype
     naive = fused_moe_ref(x, w1, w2, w, ids, activation, None, dtype)
     assert naive.dtype == dtype

@@ -124,11 +124,17 @@ def test_max_delta_ignores_matching_nonfinite(capsys):
 
 
 # ---------------------------------------------------------------- poison
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.uint8])
 def test_poison(dtype):
     t = (torch.randn(7, 9) * 100).to(dtype)
     assert poison(t) is t
-    assert (t == -2 ** 31).all() if dtype == torch.int32 else torch.isnan(t).all()
+    want = {torch.int32: -2 ** 31, torch.uint8: 255}  # never 0: a value an unwritten element could hold
+    assert (t == want[dtype]).all() if dtype in want else torch.isnan(t).all()
+
+
+def test_poison_refuses_bool():
+    with pytest.raises(TypeError, match="bool has no out-of-range value"):
+        poison(torch.zeros(3, dtype=torch.bool))
 
 
 # ---------------------------------------------------------------- run_perftest / perftest
