@@ -17,7 +17,9 @@ Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
 3. none: the op uses its heuristic default.
 
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
-``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys, ready for the tuner. A file
+``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys, ready for the tuner (an op whose
+columns differ from the file's header, e.g. the second op a process logs, appends to ``<stem>.<op>.csv``
+beside it). A file
 that cannot be read or lacks columns, and a row with a bad value or a variant the op no longer has,
 is skipped with one warning naming the file (and line); the op still runs.
 """
@@ -139,6 +141,8 @@ class _Table:
 
     def _parse(self, raw: dict, arch: str):
         s = self.schema
+        if None in raw or any(v is None for v in raw.values()):  # csv's fill for a short or a long row
+            return "the row has fewer or more fields than the header"
         if raw.get("arch") != arch:
             return f"arch {raw.get('arch')!r} is not {arch!r}"
         if raw.get("variant") not in s.variants:
@@ -170,7 +174,7 @@ class _Table:
         for r in self.groups.get(exact, ()):
             dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
             dist += 0.5 * (r["cu_count"] != cu_count)
-            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _date_rank(r.get("date", "")))
+            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _date_rank(r.get("date") or ""))
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
         return (best, "nearest") if best is not None else (None, None)
@@ -212,6 +216,20 @@ _memo: dict = {}
 _MISS = object()
 
 
+def _log_path(path: str, cols: list, op: str) -> str:
+    """`path`, or beside it `<stem>.<op><ext>` where `path` already holds another op's columns (one
+    process logs several ops; the tuner reads one op's columns a file)."""
+    try:
+        with open(path, newline="") as fh:
+            head = fh.readline().rstrip("\r\n")
+    except OSError:
+        return path
+    if not head or head == ",".join(cols):
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.{op}{ext or '.csv'}"
+
+
 def _log_untuned(schema: Schema, arch: str, cu_count: int, shape: dict, choice) -> None:
     how = f"nearest tuned row ({choice.variant}, {choice.row.get('date', '')})" if choice else "heuristic default"
     log.info("hipkern: %s on %s has no tuned row for %s; using the %s", schema.op, arch, shape, how)
@@ -220,6 +238,7 @@ def _log_untuned(schema: Schema, arch: str, cu_count: int, shape: dict, choice) 
         return
     cols = ["op", "arch", "cu_count", *schema.exact_keys, *schema.bucket_keys]
     with _lock:
+        path = _log_path(path, cols, schema.op)
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         with open(path, "a", newline="") as fh:
             w = csv.writer(fh, lineterminator="\n")

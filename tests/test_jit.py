@@ -126,7 +126,14 @@ def test_key_covers_sources_headers_and_defines(jit_dir, tiny_root, tmp_path):
     assert jit.module_key(tiny_spec(tiny_root, factor="3.0f"), "sm_90", tc) != key
     header = tiny_root / "include" / "hipkern" / "reduce.h"
     header.write_text(header.read_text() + "\n// changed\n")
-    assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) != key
+    changed = jit.module_key(tiny_spec(tiny_root), "sm_90", tc)
+    assert changed != key
+    os.environ["NVCC_APPEND_FLAGS"] = "-DHK_SOMETHING=1"  # the compiler reads it: another module
+    try:
+        assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) != changed
+    finally:
+        del os.environ["NVCC_APPEND_FLAGS"]
+    assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) == changed
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -172,6 +179,8 @@ def test_arch_names(monkeypatch):
             jit.platform_of(bad)
     monkeypatch.setenv("HIPKERN_ARCH", "gfx942")
     assert jit.current_arch() == "gfx942"
+    monkeypatch.setenv("HIPKERN_ARCH", "sm_90a")  # built as sm_90 is (sm_90a): one cache, one set of results
+    assert jit.current_arch() == "sm_90"
     monkeypatch.setenv("HIPKERN_ARCH", "bogus")
     with pytest.raises(JitError):
         jit.current_arch()

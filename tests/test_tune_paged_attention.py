@@ -143,3 +143,17 @@ def test_tune_paged_attention_two_workers_on_one_gpu(tmp_path):
     s = runner.tune(ADAPTER, todo, out, spec="paged_attention", gpus=[0, 0], progress=False)
     assert len(s.done) == 3 and not s.crashes and not s.failed and len(rows_of(out)) == 3
     assert math.isfinite(sum(float(r["us"]) for r in rows_of(out)))
+
+
+def test_batches_past_a_variants_limit_and_the_largest_bucket():
+    """v5 takes at most 4096 sequences (the op runs v16 in its place past that): no v5 candidate there.
+    The largest batch bucket (65536, what an untuned log writes for 32769..65535 sequences) parses and is
+    timed with the op's 65535 sequences."""
+    info = ADAPTER.info_for("sm_90", 132)
+    names = lambda b: {c.variant for c in ADAPTER.candidates(pa_shape(b, 256), info).kept}
+    assert "v5" in names(4096) and "v5" not in names(8192)
+    big = pa_shape(65536, 256)
+    assert big["batch"] == 65536  # the row's key stays the bucket
+    assert ADAPTER.nbytes(big) == ADAPTER.nbytes(pa_shape(65535, 256))
+    with pytest.raises(ValueError, match="batch must be at most 65536"):
+        pa_shape(65537, 256)

@@ -131,6 +131,30 @@ def test_malformed_row_skipped_with_one_warning(shipped, bad, msg):
     assert len(rec) == 1
 
 
+def test_short_row_skipped_with_one_warning(shipped):
+    """A row with fewer fields than the header (csv fills them with None; e.g. a user file whose last
+    columns are absent on one line) is skipped like any malformed row, never an error inside the op."""
+    write(shipped, [row("a", 8, 2048)])
+    with open(shipped, "a") as fh:
+        fh.write("sm_90,132,b,9.0\n")
+    with pytest.warns(UserWarning, match="toyop.csv, line 3: the row has fewer or more fields than the header"):
+        assert find(16, 2048).variant == "a"
+
+
+def test_untuned_log_of_two_ops_keeps_one_op_a_file(shipped, tmp_path, monkeypatch):
+    other = Schema(op="toyop2", exact_keys=("dtype",), bucket_keys=("tokens",), param_keys=(),
+                   variants=frozenset({"x"}))
+    tuning_db.register(other)
+    out = tmp_path / "untuned.csv"
+    monkeypatch.setenv("HIPKERN_LOG_UNTUNED", str(out))
+    find(32, 2048)
+    lookup("toyop2", "sm_90", 132, dtype="bfloat16", tokens=64)
+    rows = list(csv.DictReader(open(out)))
+    assert [r["op"] for r in rows] == ["toyop"]
+    rows2 = list(csv.DictReader(open(tmp_path / "untuned.toyop2.csv")))
+    assert [(r["op"], r["tokens"]) for r in rows2] == [("toyop2", "64")]
+
+
 def test_malformed_or_missing_files(shipped, tmp_path, monkeypatch):
     write(shipped, [row("a", 8, 2048)], columns=[c for c in SCHEMA.columns if c != "commit"])
     monkeypatch.setenv("HIPKERN_TUNING_DB", str(tmp_path / "nope.csv"))

@@ -31,7 +31,7 @@ from pathlib import Path
 from ._lock import file_lock
 from ._paths import cache_root
 from .modules import ModuleSpec
-from .platform import JitError, current_arch, platform_of
+from .platform import JitError, check_arch, current_arch, platform_of
 from .toolchain import find_toolchain, parse_resources
 
 __all__ = ["Module", "BuildResult", "build", "load", "module_key"]
@@ -70,12 +70,22 @@ def _source_files(spec: ModuleSpec) -> list[Path]:
     return files
 
 
+# Environment variables the compilers read as flags or include paths: a module built under one of them is
+# another module (nvcc: NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS; clang: CPATH and the like, CCC_OVERRIDE_OPTIONS).
+COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CPATH", "C_INCLUDE_PATH",
+                "CPLUS_INCLUDE_PATH", "CCC_OVERRIDE_OPTIONS", "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND")
+
+
 def module_key(spec: ModuleSpec, arch: str, toolchain) -> str:
     h = hashlib.sha256()
     for f in _source_files(spec):
         h.update(str(f.relative_to(spec.root)).encode() + b"\0" + f.read_bytes() + b"\0")
     flags = toolchain.command(arch, ["SRC"], "OUT", ["INC"], dict(spec.defines))[1:]
-    h.update(json.dumps([BUILDER_VERSION, arch, toolchain.version, flags]).encode())
+    parts = [BUILDER_VERSION, arch, toolchain.version, flags]
+    env = {k: os.environ[k] for k in COMPILER_ENV if os.environ.get(k)}
+    if env:  # (absent when none is set: the usual keys stay as they were)
+        parts.append(env)
+    h.update(json.dumps(parts).encode())
     return h.hexdigest()[:20]
 
 
@@ -120,7 +130,7 @@ def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_di
 
 def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> BuildResult:
     """Make sure `spec` is built for `arch` (default: the current GPU's); build it if needed."""
-    arch = arch or current_arch()
+    arch = check_arch(arch) if arch else current_arch()
     root = cache_root()
     arch_dir = root / arch
     arch_dir.mkdir(mode=0o700, exist_ok=True)
@@ -183,7 +193,7 @@ class Module:
 
 def load(spec: ModuleSpec, arch: str | None = None) -> Module:
     """The loaded module for `spec` on `arch`, built first if the cache lacks it. Memoised."""
-    arch = arch or current_arch()
+    arch = check_arch(arch) if arch else current_arch()
     key = (spec.name, arch)
     mod = _loaded.get(key)
     if mod is not None:

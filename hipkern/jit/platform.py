@@ -20,10 +20,16 @@ class JitError(RuntimeError):
 _ARCH_RE = re.compile(r"^(gfx[0-9a-f]{3,4}|sm_[0-9]{2,3}a?)$")
 
 
+# Names that build exactly as another: every sm_90 module is compiled for sm_90a (wgmma), so sm_90a shares
+# sm_90's module cache and tuning results instead of rebuilding into a cache, and reading results, of its own.
+_SAME_AS = {"sm_90a": "sm_90"}
+
+
 def check_arch(arch: str) -> str:
+    """`arch` if it names a GPU architecture (its canonical name: sm_90a is sm_90), else a JitError."""
     if not isinstance(arch, str) or not _ARCH_RE.match(arch):
         raise JitError(f"arch {arch!r} is not a GPU architecture name such as 'gfx942' or 'sm_90'")
-    return arch
+    return _SAME_AS.get(arch, arch)
 
 
 def platform_of(arch: str) -> str:

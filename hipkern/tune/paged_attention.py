@@ -62,6 +62,11 @@ def pinned(cand: Candidate):
         pa._lookup = saved
 
 
+def _seqs(s) -> int:
+    """Sequences a shape is timed with: its batch, but at most the op's 65535 (bucket 65536)."""
+    return min(s["batch"], 65535)
+
+
 class PagedAttentionTuner:
     op = "paged_attention"
 
@@ -93,8 +98,8 @@ class PagedAttentionTuner:
                              f"1..{pa.MAX_GQA}")
         if s["context"] < bs:
             raise ValueError(f"context ({s['context']}) must be at least block_size ({bs})")
-        if s["batch"] > 65535:
-            raise ValueError(f"batch must be at most 65535, got {s['batch']}")
+        if s["batch"] > 65536:  # 65536: the bucket of 32769..65535 sequences (an untuned log's row), timed at 65535
+            raise ValueError(f"batch must be at most 65536, got {s['batch']}")
         return s
 
     def describe(self, s) -> str:
@@ -116,12 +121,14 @@ class PagedAttentionTuner:
         max_tokens = math.ceil(s["context"] / s["block_size"]) * s["block_size"]
         for v in names:
             var = pa.VARIANTS[v]
+            if _seqs(s) > var.max_seqs:  # the op would run v16 under its name
+                continue
             group = s["num_q_heads"] // s["num_kv_heads"]  # the op's plans see its kernel's real occupancy
             grid = PARAM_GRID.get(v, {})
             cands = [Candidate(v)] + [Candidate.of(v, **{p: x}) for p, xs in grid.items() for x in xs]
             cands += [Candidate.of(v, **combo) for combo in COMBOS.get(v, ())]
             for cand in cands:
-                params = pa.with_heads(var, cand.kwargs, s["batch"], s["num_q_heads"], s["num_kv_heads"],
+                params = pa.with_heads(var, cand.kwargs, _seqs(s), s["num_q_heads"], s["num_kv_heads"],
                                        max_tokens, info["cu_count"])
                 try:
                     pa.heads_per_block(var, group, params)
@@ -130,7 +137,7 @@ class PagedAttentionTuner:
                 resident = (pa.resident_for(s["dtype"], s["head_size"], v, group, torch.cuda.current_device(),
                                             params)
                             if torch.cuda.is_available() else 1)  # a dry run without a GPU plans with 1
-                geo = pa.make_shape(var, s["batch"], s["num_q_heads"], s["num_kv_heads"], max_tokens,
+                geo = pa.make_shape(var, _seqs(s), s["num_q_heads"], s["num_kv_heads"], max_tokens,
                                     info["cu_count"], info["wave"], resident, params)
                 yield cand, (var.kernel, geo.heads_per_block, pa.plan_of(var, geo, params)), geo.blocks
 
@@ -153,8 +160,8 @@ class PagedAttentionTuner:
     @staticmethod
     def nbytes(s) -> int:
         el = DTYPES[s["dtype"]].itemsize
-        return el * (2 * s["batch"] * s["context"] * s["num_kv_heads"] * s["head_size"]
-                     + 2 * s["batch"] * s["num_q_heads"] * s["head_size"])
+        return el * (2 * _seqs(s) * s["context"] * s["num_kv_heads"] * s["head_size"]
+                     + 2 * _seqs(s) * s["num_q_heads"] * s["head_size"])
 
     @staticmethod
     def iterations(kernel_us: float) -> tuple:
@@ -166,7 +173,7 @@ class PagedAttentionTuner:
         t = self.estimate_kernel_us(s)
         iters, warmup = self.iterations(t)
         per_cand = (1 + warmup) * t + (2 + SLEEP) * iters * max(t + FLUSH_US, HOST_US)
-        n_ref = min(CHECK_SEQS, s["batch"])
+        n_ref = min(CHECK_SEQS, _seqs(s))
         ref_s = n_ref * (0.002 + 12 * s["context"] * s["num_kv_heads"] * s["head_size"] * 4 / 1e12)
         return SHAPE_OVERHEAD_S + ref_s + len(cands) * per_cand / 1e6
 
@@ -188,7 +195,7 @@ class PagedAttentionTuner:
         return k, v
 
     def prepare(self, s, info, device) -> "_Bench":
-        need = s["batch"] * math.ceil(s["context"] / s["block_size"])
+        need = _seqs(s) * math.ceil(s["context"] / s["block_size"])
         k, v = self._kv_pool(s, device, need)
         return _Bench(s, k, v, device, self.nbytes(s), self.estimate_kernel_us(s))
 
@@ -203,21 +210,21 @@ class _Bench:
         dev, pool = f"cuda:{device}", k.shape[0]
         g = torch.Generator(device=dev).manual_seed(s["batch"] * 1_000_003 + s["context"])
         nblk = math.ceil(s["context"] / s["block_size"])
-        need = s["batch"] * nblk
+        need = _seqs(s) * nblk
         if need <= pool:
             bt = torch.randperm(pool, generator=g, device=dev)[:need]
         else:  # the pool is capped: blocks repeat
             bt = torch.randint(0, pool, (need,), generator=g, device=dev)
         self.k, self.v, self.layout, self.nbytes = k, v, s["kv_layout"], nbytes
-        self.bt = bt.view(s["batch"], nblk).to(torch.int32)
-        self.q = torch.randn((s["batch"], s["num_q_heads"], s["head_size"]), generator=g, device=dev, dtype=k.dtype)
-        self.cl = torch.full((s["batch"],), s["context"], dtype=torch.int32, device=dev)
+        self.bt = bt.view(_seqs(s), nblk).to(torch.int32)
+        self.q = torch.randn((_seqs(s), s["num_q_heads"], s["head_size"]), generator=g, device=dev, dtype=k.dtype)
+        self.cl = torch.full((_seqs(s),), s["context"], dtype=torch.int32, device=dev)
         self.out = torch.empty_like(self.q)
         self.tol = TOL[s["dtype"]]
         self.iters, self.warmup = PagedAttentionTuner.iterations(kernel_us)
         # The reference's per-sequence loop over a whole large batch would cost more than timing every
         # candidate: the full batch runs, CHECK_SEQS of its sequences (first, last, between) are compared.
-        b = s["batch"]
+        b = _seqs(s)
         self.idx = torch.tensor(sorted({0, b // 3, 2 * b // 3, b - 1})[:CHECK_SEQS], device=dev)
         self.ref = paged_attention_ref(self.q[self.idx], k, v, self.bt[self.idx], self.cl[self.idx],
                                        kv_layout=self.layout)[0]

@@ -218,7 +218,12 @@ def tune(adapter, shapes, out, *, spec=None, gpus=None, device=0, skip_done=Fals
     adapter named by `spec`, importable there); else run here on `device`. Ctrl-C saves the finished
     rows, then raises KeyboardInterrupt; time_limit (s) stops starting new shapes after that long."""
     info = info or device_info(adapter, gpus, device)
-    jobs, summary = plan(adapter, shapes, out, info, skip_done)
+    planning_gpu = (gpus or [device])[0]  # candidates ask the occupancy of a GPU of the kind tuned, not GPU 0
+    if torch.cuda.is_available() and planning_gpu < torch.cuda.device_count():
+        with torch.cuda.device(planning_gpu):
+            jobs, summary = plan(adapter, shapes, out, info, skip_done)
+    else:  # a dry run without a GPU (--arch, --cu-count)
+        jobs, summary = plan(adapter, shapes, out, info, skip_done)
     if dry_run:
         return summary
     if not jobs:  # every shape measured before: make sure each has its database row
