@@ -368,7 +368,9 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         allow_tf32: permission to use TF32 for float32 inputs; the kernels keep float32 accuracy
             either way (no TF32 path yet): FMAs, or at block_m 64 on sm_90 exactly scaled two-term
             fp16 splits on the tensor cores, whose error against float64 is no larger than FMAs'
-            (csrc_hip/fused_moe/NOTES.md). An infinite float32 input gives NaN there.
+            (csrc_hip/fused_moe/NOTES.md). An infinite float32 input gives NaN there, and so may weights of
+            magnitude 2^108 (~3e32) or more: a stage's sum is scaled by the weight row's power of two before
+            the token's, and that product overflows (a known limit, no real model's weights come near it).
         validate: check the ids and expert_map values first (syncs with the device).
         block_m: rows per expert block of the GEMMs (8, 16, 32, 64 or 128; float32 up to 64); None:
             the tuning database's choice for this shape (choose_config), else default_block_m.
