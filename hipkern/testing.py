@@ -74,6 +74,17 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(info.min if info.min < 0 else info.max)
 
 
+def poison_next_alloc(device, *specs) -> None:
+    """Make torch's next allocations of `specs`, (shape, dtype) pairs on `device` (an op's own outputs,
+    e.g. the LSE or a functional call's results), most likely come back poisoned: the cached free blocks
+    are released, then poisoned blocks of those sizes are freed for the allocator to hand out again
+    (best fit). An element the op leaves unwritten then shows, instead of a previous call's correct value
+    in a reused block."""
+    torch.cuda.empty_cache()
+    junk = [poison(torch.empty(shape, dtype=dtype, device=device)) for shape, dtype in specs]
+    del junk
+
+
 def l2_bytes(device=None) -> int:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())

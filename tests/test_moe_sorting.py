@@ -7,7 +7,7 @@ from conftest import toolchain_or_skip
 from hipkern import jit
 from hipkern.ops.moe_sorting import moe_sorting_max_padded
 from hipkern.reference import moe_sorting_ref
-from hipkern.testing import poison
+from hipkern.testing import poison, poison_next_alloc
 
 ONE_BLOCK_MAX_PAIRS = 4096  # csrc_hip/moe_sorting: larger inputs take the multi-block path (checked below)
 
@@ -46,7 +46,9 @@ def test_matches_reference(e, bm):
                 continue
             ids = _routing(t, k, e)
             _check(ids, e, bm, _run(ids, e, bm))
-            functional = hipkern.moe_sorting(ids, e, bm)  # outputs from the allocator
+            n = moe_sorting_max_padded(t * k, e, bm)  # outputs from the allocator, poisoned first
+            poison_next_alloc(ids.device, ((n,), torch.int32), ((n // bm,), torch.int32), ((1,), torch.int32))
+            functional = hipkern.moe_sorting(ids, e, bm)
             _check(ids, e, bm, functional)
 
 

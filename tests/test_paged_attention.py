@@ -7,7 +7,7 @@ import torch
 import hipkern
 from hipkern.ops.paged_attention import ALIASES, VARIANTS
 from hipkern.reference import paged_attention_ref
-from hipkern.testing import checkAllclose, poison
+from hipkern.testing import checkAllclose, poison, poison_next_alloc
 from hipkern.tune.core import Candidate
 from hipkern.tune.paged_attention import pinned
 
@@ -41,6 +41,7 @@ def make_case(lens, num_kv_heads=2, group=4, head_size=128, block_size=16, dtype
 def run_and_check(case, layout="NHD", variant=None, scale=None, msg=""):
     q, k, v, bt, cl = case
     out = poison(torch.empty_like(q))
+    poison_next_alloc(q.device, (q.shape[:2], torch.float32))  # the op's own LSE tensor: unwritten shows
     o, lse = hipkern.paged_attention_decode(q, k, v, bt, cl, kv_layout=layout, out=out, return_lse=True,
                                             variant=variant, scale=scale)
     assert o is out
@@ -195,12 +196,43 @@ def test_invalid_metadata_never_reads_out_of_bounds(n):
         bt[bt == 0] = unused.pop()
         unused.append(0)
     k[unused], v[unused] = float("nan"), float("nan")  # a masked token must not read (or weigh) these
+    ref, ref_lse = masked_reference(q, k, v, bt, cl)
+
+    def check(variant, msg):
+        out = poison(torch.empty_like(q))
+        poison_next_alloc(q.device, (q.shape[:2], torch.float32))
+        o, lse = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant, out=out, return_lse=True)
+        assert checkAllclose(o, ref, msg=f"{msg} out ", **TOL[q.dtype]) == 0
+        assert checkAllclose(lse, ref_lse, msg=f"{msg} lse ", **LSE_TOL) == 0
+
     for variant in VARIANT_NAMES:
-        o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)
-        assert torch.isfinite(o).all(), variant
+        check(variant, variant)
     with pinned(Candidate.of("v16", heads_per_block=16, partition_size=65536)):
-        o = hipkern.paged_attention_decode(q, k, v, bt, cl)
-        assert torch.isfinite(o).all()
+        check(None, "v16 unsplit 16-head")
+
+
+def masked_reference(q, k, v, bt, cl, scale=None):
+    """The op's documented handling of bad metadata (NHD), in float32: a length clamped to [0, what the
+    block-table row addresses]; a token whose block id is outside [0, num_blocks) is left out (masked),
+    the sequence's other tokens attended as usual."""
+    nb, bs, hkv, d = k.shape
+    group = q.shape[1] // hkv
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+    for s in range(q.shape[0]):
+        n = max(0, min(int(cl[s]), bt.shape[1] * bs))
+        t = torch.arange(n, device=q.device)
+        blk = bt[s, t // bs].long()
+        keep = (blk >= 0) & (blk < nb)
+        t, blk = t[keep], blk[keep]
+        if t.numel() == 0:
+            continue
+        kk, vv = k[blk, t % bs].float(), v[blk, t % bs].float()  # [tokens, hkv, d]
+        scores = torch.einsum("hgd,nhd->hgn", q[s].float().view(hkv, group, d), kk) * scale
+        lse[s] = torch.logsumexp(scores, dim=-1).reshape(-1)
+        out[s] = torch.einsum("hgn,nhd->hgd", torch.softmax(scores, dim=-1), vv).reshape(-1, d)
+    return out, lse
 
 
 @pytest.mark.gpu
@@ -440,15 +472,21 @@ def _call(c, **kw):
     (dict(query=torch.randn(2, 8, 128)), {}, "query must be one of float16, bfloat16, got float32"),
     (dict(query=torch.randn(2, 8, 96, dtype=torch.bfloat16)), {}, "query head size must be one of"),
     (dict(query=torch.randn(2, 8, dtype=torch.bfloat16)), {}, "query must have 3 dimensions"),
-    (dict(query=torch.randn(2, 128, 8, dtype=torch.bfloat16).transpose(1, 2)), {}, "contiguous last"),
+    (dict(query=torch.randn(2, 128, 8, dtype=torch.bfloat16).transpose(1, 2)), {}, "query must have a contiguous last"),
+    (dict(key_cache=torch.randn(10, 16, 2, 128, dtype=torch.bfloat16).transpose(2, 3).contiguous().transpose(2, 3),
+          value_cache=torch.randn(10, 16, 2, 128, dtype=torch.bfloat16)), {}, "key_cache must have a contiguous last"),
+    (dict(key_cache=torch.randn(10, 16, 2, 64, dtype=torch.bfloat16),
+          value_cache=torch.randn(10, 16, 2, 64, dtype=torch.bfloat16)), {}, "key_cache head size 64 .* differs"),
+    (dict(query=torch.randn(65536, 8, 128, dtype=torch.bfloat16), block_tables=torch.zeros(65536, 4, dtype=torch.int32),
+          context_lens=torch.ones(65536, dtype=torch.int32)), {}, "query must hold 1..65535 sequences"),
     (dict(key_cache=torch.randn(10, 16, 2, 128, dtype=torch.float16)), {}, "key_cache must be one of bfloat16"),
     (dict(value_cache=torch.randn(10, 16, 2, 64, dtype=torch.bfloat16)), {}, "value_cache must have the shape"),
     (dict(key_cache=torch.randn(10, 16, 2, 132, dtype=torch.bfloat16)[..., :128],
-          value_cache=torch.randn(10, 16, 2, 132, dtype=torch.bfloat16)[..., :128]), {}, "strides must be multiples of 8"),
+          value_cache=torch.randn(10, 16, 2, 132, dtype=torch.bfloat16)[..., :128]), {}, "key_cache/value_cache rows must be 16-byte aligned"),
     (dict(key_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16),
           value_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16)), {}, r"multiple of key_cache's KV heads"),
     (dict(key_cache=torch.randn(10, 12, 2, 128, dtype=torch.bfloat16),
-          value_cache=torch.randn(10, 12, 2, 128, dtype=torch.bfloat16)), {}, "block size must be a power of two"),
+          value_cache=torch.randn(10, 12, 2, 128, dtype=torch.bfloat16)), {}, "key_cache block size must be a power of two"),
     (dict(query=torch.randn(2, 9, 128, dtype=torch.bfloat16)), {}, "multiple of key_cache.s KV heads"),
     (dict(block_tables=torch.zeros(2, 4, dtype=torch.int64)), {}, "block_tables must be one of int32"),
     (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), {}, r"block_tables must be \[num_seqs=2"),
@@ -469,8 +507,10 @@ def _call(c, **kw):
     ({}, {}, "query must be on a GPU"),
 ])
 def test_bad_arguments_raise_value_error(change, kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         _call(_cpu_case(**change), **kw)
+    if "GPU" not in match:  # the bad argument's own check fired, not the last one (CPU tensors' device check)
+        assert "must be on a GPU" not in str(err.value), str(err.value)
 
 
 def test_empty_cache_and_oversized_tables_rejected():
@@ -553,3 +593,28 @@ def test_out_overlapping_query_is_rejected_and_out_is_query_works():
     res = hipkern.paged_attention_decode(q, k, v, bt, cl, out=q)  # in place
     assert res is q
     assert checkAllclose(res, want, **TOL[torch.bfloat16]) == 0
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_reference_against_sdpa_on_gathered_kv(layout):
+    """paged_attention_ref (the tests' and the benchmark's reference) against torch's own attention on
+    each sequence's gathered K/V, KV heads repeated over their query group (a GQA mapping or a scale
+    convention shared by the kernels and the reference would show here), on the CPU (float64 inputs; the
+    reference's scores and softmax are float32)."""
+    torch.manual_seed(3)
+    s, hkv, group, d, bs, nb = 3, 2, 4, 64, 16, 12
+    lens = [37, 1, 64]
+    q = torch.randn(s, hkv * group, d, dtype=torch.float64)
+    k = torch.randn(nb, bs, hkv, d, dtype=torch.float64)
+    v = torch.randn(nb, bs, hkv, d, dtype=torch.float64)
+    bt = torch.randperm(nb)[: s * 4].view(s, 4).to(torch.int32)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    kc, vc = (k, v) if layout == "NHD" else (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+    out, lse = paged_attention_ref(q, kc, vc, bt, cl, scale=0.3, kv_layout=layout, compute_dtype=torch.float64)
+    for i, n in enumerate(lens):
+        kk = k[bt[i].long()].reshape(-1, hkv, d)[:n].transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, n, d]
+        vv = v[bt[i].long()].reshape(-1, hkv, d)[:n].transpose(0, 1).repeat_interleave(group, dim=0)
+        want = torch.nn.functional.scaled_dot_product_attention(q[i][:, None], kk, vv, scale=0.3)[:, 0]
+        torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-5)  # the reference's softmax is float32
+        scores = (q[i][:, None] * kk).sum(-1) * 0.3  # [Hq, n]
+        torch.testing.assert_close(lse[i].double(), scores.exp().sum(-1).log(), rtol=1e-6, atol=1e-6)

@@ -6,7 +6,7 @@ import torch
 
 import hipkern
 from hipkern.reference import topk_softmax_ref
-from hipkern.testing import checkAllclose, poison
+from hipkern.testing import checkAllclose, poison, poison_next_alloc
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Weights are float32 arithmetic on both sides; only exp/sum rounding differs.
@@ -65,6 +65,7 @@ def test_matches_reference_large(dtype, t, e, k):
     torch.manual_seed(t + e)
     x = _logits(t, e, dtype)
     _check(x, k, True, *_run(x, k, True))
+    poison_next_alloc(x.device, ((t, k), torch.float32), ((t, k), torch.int32))  # not the last call's buffers
     w, ids = hipkern.topk_softmax(x, k, False)  # the functional form, outputs from the allocator
     _check(x, k, False, w, ids)
 

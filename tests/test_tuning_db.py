@@ -64,7 +64,7 @@ def test_nearest_neighbour_rule(shipped, caplog):
         c = find(16, 2048)  # distances: a 2, b 2, c 1
     assert (c.variant, c.source) == ("c", "nearest")
     assert "toyop on sm_90 has no tuned row" in caplog.text and "nearest tuned row (c" in caplog.text
-    assert find(8, 2048).variant == "b" or find(8, 2048).variant == "a"
+    assert find(8, 2048).variant == "a"  # distances: a 1, c 2, b 3
     # equal distance 1 to batch 4 and 16: the larger buckets win
     assert find(8, 4096).variant == "c"
     assert find(16, 4096, dtype="float16").variant == "a"  # exact keys must match: only the fp16 row
