@@ -22,7 +22,9 @@ Run from the repository root, on a GPU:
 Modules are JIT-built on first use, within the time budget: prebuild them (python3 -m hipkern.build
 --only paged_attention, then --only fused_moe) to spend it on cases. Prints one line per failing run
 (case seed, mismatch share, parameters), the first rejections (ValueError from the op), then a table;
-exit status 1 if any run failed or was rejected (every drawn case passes the op's validation). With $OUT set, every case is also written to $OUT/fuzz_cases.jsonl.
+exit status 1 if any run failed or was rejected (every drawn case passes the op's validation), but for
+a GPU's documented limits (EXPECTED_REJECTIONS). With $OUT set, every case is also written to
+$OUT/fuzz_cases.jsonl.
 """
 import argparse, collections, importlib, json, math, os, random, sys, time  # noqa: E401
 
@@ -252,6 +254,11 @@ def validate_moe(c, seed):
 OPS = {"paged_attention": (draw_pa, run_pa, validate_pa), "fused_moe": (draw_moe, run_moe, validate_moe)}
 
 
+# Launch-time refusals that are a GPU's documented limits, not a wrong refusal of a valid case: CDNA's
+# matrix-core paged-attention kernels at head size 256 (their tiles do not fit 64 KB of LDS).
+EXPECTED_REJECTIONS = ("do not fit 64 KB of LDS",)
+
+
 def attempt(call, check):
     """Run the op (a ValueError: a rejection), then `check` its result -> (mismatch share, problems)."""
     try:
@@ -307,6 +314,8 @@ def fuzz(args, ops):
             for r in results:
                 st["runs"] += 1
                 st[r["status"]] += 1
+                if r["status"] == "rejected" and not any(m in r["msg"] for m in EXPECTED_REJECTIONS):
+                    st["unexpected rejections"] += 1
                 if r["status"] == "failed":
                     print(f"FAIL {op} --case-seed {seed} variant={r['variant']} share={r.get('share')} "
                           f"{r['msg'] or 'mismatch'} params={json.dumps(c, separators=(',', ':'))}", flush=True)
@@ -323,8 +332,9 @@ def fuzz(args, ops):
         print(f"{op:<16}{st['cases']:>7}{st['runs']:>7}{st['passed']:>8}{st['failed']:>8}{st['rejected']:>10}"
               f"{secs:>9.1f}")
     # The drawer draws only cases the op's validation accepts (--dry-run checks that), so a ValueError at run
-    # time (a check on the launch path: alignment, overlap, int32 limits) refused a valid case: a failure too.
-    return 1 if lost or any(st["failed"] or st["rejected"] for st, _ in stats.values()) else 0
+    # time (a check on the launch path: alignment, overlap, int32 limits) refused a valid case: a failure too,
+    # unless it is a documented limit of this GPU (EXPECTED_REJECTIONS).
+    return 1 if lost or any(st["failed"] or st["unexpected rejections"] for st, _ in stats.values()) else 0
 
 
 def rerun(args, ops):

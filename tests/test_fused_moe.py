@@ -760,7 +760,8 @@ def test_a_graph_captured_on_a_warm_stream_has_counters_of_its_own(variant, monk
     ref = reference(x, w1, w2, w, ids)
     other.wait_stream(torch.cuda.current_stream())
     for _ in range(3):
-        poison(out)
+        poison(out)  # (on the current stream: the replay on `other` waits for it)
+        other.wait_stream(torch.cuda.current_stream())
         other.wait_stream(side)
         with torch.cuda.stream(other):
             g.replay()

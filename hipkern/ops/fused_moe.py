@@ -314,7 +314,8 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
                                      hidden_states.dtype, block_m, variant)
     if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
         pairs, dim, inter = topk_ids.numel(), hidden_states.shape[1], w2.shape[2]
-        mblocks = -(-pairs // block_m) + _routed_experts(w1, expert_map)  # at most one partial block an expert
+        # at most one partial block an expert; routing in the blocks (<= 256 pairs) counts a block a pair
+        mblocks = max(min(pairs, 256), -(-pairs // block_m) + _routed_experts(w1, expert_map))
         if mblocks * -(-max(dim, inter) // 8) >= 2**30:
             raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
                              f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")

@@ -99,6 +99,7 @@ def load_adapter(spec: str):
 def arch_info(arch: str, cu_count: int) -> dict:
     """An adapter's info_for: the facts of a GPU that candidates depend on, without one."""
     from .. import jit
+    arch = jit.platform.check_arch(arch)  # the canonical name (sm_90a is sm_90): the results' folder
     return {"arch": arch, "cu_count": int(cu_count), "wave": jit.wave_size_of(arch)}
 
 

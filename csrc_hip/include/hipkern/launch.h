@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "hipkern/error.h"
 
@@ -98,7 +99,8 @@ hipError_t launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, 
   const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, &attr, 1);
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 #else
-  static_assert(sizeof...(Params) == sizeof...(Args), "one argument a parameter");
+  static_assert((std::is_same_v<Params, std::decay_t<Args>> && ...),
+                "each argument of its parameter's type (the runtime copies the parameters' bytes from them)");
   void* params[] = {static_cast<void*>(&args)...};
   return hipLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, block, params, smem, stream);
 #endif
