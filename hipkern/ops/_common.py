@@ -34,15 +34,12 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=No
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def is_float32(v) -> bool:
     """Whether `v` is a real number (not a bool) that float32, the kernels' type, holds as a finite value."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
-        return abs(float(v)) <= _FLOAT32_MAX
+        return abs(float(v)) <= torch.finfo(torch.float32).max
     except OverflowError:  # an int past float64's range
         return False
 

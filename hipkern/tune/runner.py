@@ -2,6 +2,7 @@
 progress bar, crash retries, checkpoints, and the time each shape took."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -219,10 +220,8 @@ def tune(adapter, shapes, out, *, spec=None, gpus=None, device=0, skip_done=Fals
     rows, then raises KeyboardInterrupt; time_limit (s) stops starting new shapes after that long."""
     info = info or device_info(adapter, gpus, device)
     planning_gpu = (gpus or [device])[0]  # candidates ask the occupancy of a GPU of the kind tuned, not GPU 0
-    if torch.cuda.is_available() and planning_gpu < torch.cuda.device_count():
-        with torch.cuda.device(planning_gpu):
-            jobs, summary = plan(adapter, shapes, out, info, skip_done)
-    else:  # a dry run without a GPU (--arch, --cu-count)
+    on_gpu = torch.cuda.is_available() and planning_gpu < torch.cuda.device_count()  # (else a dry run, no GPU)
+    with torch.cuda.device(planning_gpu) if on_gpu else contextlib.nullcontext():
         jobs, summary = plan(adapter, shapes, out, info, skip_done)
     if dry_run:
         return summary
