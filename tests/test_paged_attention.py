@@ -551,6 +551,9 @@ def test_balanced_plan_splits_only_grids_short_of_the_memory_rate():
     assert plan(8, 8).num_partitions > 1
     assert plan(32, 8).num_partitions == 1  # 256 blocks: one pass, as before
     assert plan(1, 8).num_partitions > 1  # 8 blocks: split for the SMs, as before
+    # 288 blocks: a second wave of 24 would stream alone, far under the memory's rate: split, as before
+    assert plan(36, 8).num_partitions > 1
+
 
 def test_gqa_above_64_rejected():
     c = _cpu_case(query=torch.randn(2, 130, 128, dtype=torch.bfloat16),

@@ -173,24 +173,26 @@ def _plan_hybrid(shape: Shape, partition_size: int = 512, blocks_per_sm: int = 4
     return _split(shape, math.ceil(shape.max_tokens / want / shape.tile) * shape.tile)
 
 
-# Blocks that, streaming at once, take the memory's whole rate: an unsplit 16-head block of head size 128
-# streams ~33 GB/s alone, the H100 ~3 TB/s (NOTES.md, 2026-11-27 (11) and 2026-11-28 (3)).
+# Blocks that, streaming at once, take the memory's whole rate, as measured on the H100 for 16-head blocks of
+# head size 128: one streams ~33 GB/s alone, the H100 ~3 TB/s (NOTES.md, 2026-11-27 (11) and 2026-11-28 (3)).
+# Other blocks and GPUs differ (an H200 streams ~4.8 TB/s); the database's measured rows decide where it has them.
 SATURATE_BLOCKS = 96
 
 
 def _plan_balanced(shape: Shape, partition_size: int = 0, block_cost: int = 64, merge_cost: int = 192) -> Plan:
-    """v16: partitions of `partition_size` tokens if given; else one pass where the unsplit grid already
-    streams at the memory's rate (its blocks' tokens take the memory longer, at SATURATE_BLOCKS
-    block-tokens a step, than its waves take their blocks: a split would add only its merge); else the
-    count that minimises a cost in token-steps (a step: one token of one block running alone): waves of
-    blocks over the SMs' slots (sm_count x resident) x (tokens per partition + `block_cost`), plus
+    """v16: partitions of `partition_size` tokens if given; else one pass where the unsplit grid is one
+    wave that already streams at the memory's rate (its blocks' tokens take the memory longer, at
+    SATURATE_BLOCKS block-tokens a step, than the wave takes its blocks: a split would add only its
+    merge; a grid of more waves ends on a partial wave that does not, so it keeps the cost below); else
+    the count that minimises a cost in token-steps (a step: one token of one block running alone): waves
+    of blocks over the SMs' slots (sm_count x resident) x (tokens per partition + `block_cost`), plus
     `merge_cost` when split (the merge launch). One pass when nothing is gained."""
     if partition_size:
         return _split(shape, partition_size)
     tiles = math.ceil(shape.max_tokens / shape.tile)
     slots = shape.sm_count * shape.resident
     stream = shape.blocks * tiles * shape.tile / SATURATE_BLOCKS  # the memory's time for the whole grid
-    if stream >= math.ceil(shape.blocks / slots) * (tiles * shape.tile + block_cost):
+    if shape.blocks <= slots and stream >= tiles * shape.tile + block_cost:
         return _split(shape, tiles * shape.tile)
     most = min(tiles, MAX_PARTITIONS, max(1, math.ceil(2 * slots / shape.blocks)))
     best = None
