@@ -770,22 +770,14 @@ int resident_grid(int threads, int bytes, int device, int* out) {
 }
 
 // Whether the GEMM can route in its blocks on `device`: room for the table in the tile (GemmCfg::kCanRoute)
-// and in the device's shared memory per block.
+// and in the device's shared memory per block (asked of the driver once per device: max_block_shared).
 template <typename T, typename M, int BM, bool Gated>
 bool routes_on(int device) {
   if constexpr (!GemmCfg<T, M, BM, Gated>::kCanRoute) {
     return false;
   } else {
-    static int cache[64] = {0};  // per device: 0 not asked yet, 1 no, 2 yes (asked on every routed call)
-    int known = device >= 0 && device < 64 ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) : 0;
-    if (known == 0) {
-      int most = 0;
-      const bool fits = hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device) == hipSuccess &&
-                        GemmCfg<T, M, BM, Gated>::kRoutedBytes <= most;
-      known = fits ? 2 : 1;
-      if (device >= 0 && device < 64 && most > 0) __atomic_store_n(&cache[device], known, __ATOMIC_RELAXED);
-    }
-    return known == 2;
+    int most = 0;
+    return max_block_shared(device, &most) == 0 && GemmCfg<T, M, BM, Gated>::kRoutedBytes <= most;
   }
 }
 

@@ -8,6 +8,20 @@
 
 namespace hk {
 
+// The most dynamic shared memory a block may opt into on `device`, into *out: asked of the driver once
+// per device (devices outside 0..63 ask every time).
+inline int max_block_shared(int device, int* out) {
+  static int cache[64] = {0};  // 0: not asked yet
+  const bool cached = device >= 0 && device < 64;
+  int most = cached ? __atomic_load_n(&cache[device], __ATOMIC_RELAXED) : 0;
+  if (most == 0) {
+    HK_CHECK(hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device));
+    if (cached && most > 0) __atomic_store_n(&cache[device], most, __ATOMIC_RELAXED);
+  }
+  *out = most;
+  return 0;
+}
+
 // Dynamic shared memory above the default 48 KB is checked against the device's limit and opted
 // into, once per kernel and device: `raised` is the kernel's own set of devices done (devices >= 64
 // check every time).
@@ -16,7 +30,7 @@ int allow_shared(Kernel kernel, unsigned long long& raised, int smem_bytes, int 
   const unsigned long long bit = device < 64 ? 1ull << device : 0;
   if (smem_bytes <= 48 * 1024 || (__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit)) return 0;
   int most = 0;
-  HK_CHECK(hipDeviceGetAttribute(&most, HK_ATTR_MAX_BLOCK_SHARED, device));
+  HK_TRY(max_block_shared(device, &most));
   if (smem_bytes > most)
     return set_invalid("this kernel's shared memory per block exceeds the device's (choose another variant or "
                        "tile size)", __FILE__, __LINE__);
