@@ -1109,3 +1109,23 @@ def test_trace_refuses_float32_and_unknown_cases_before_any_gpu_work():
     last = max(c.num for c in bench.all_cases())
     with pytest.raises(SystemExit, match=f"--case {last + 1}: no such case; the benchmark's cases are 1-{last}"):
         moe_trace.main(["--case", str(last + 1)])
+
+
+def test_python_pair_limits_are_the_kernels():
+    """The op's pair limits (which variant may run, and the int32 work-item bound before any launch) are
+    the kernels' own constants; a change on one side only fails here."""
+    import importlib
+    import re
+
+    op = importlib.import_module("hipkern.ops.fused_moe")  # the module (the package's name is the function)
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "csrc_hip" / "fused_moe"
+
+    def constant(header, name):
+        m = re.search(rf"constexpr int {name} = (\d+);", (src / header).read_text())
+        assert m, f"{name} not found in {header}"
+        return int(m.group(1))
+
+    assert op.DECODE_MAX_PAIRS == constant("decode.h", "kDecodePairs")
+    assert op.GEMV_MAX_PAIRS == constant("gemv.h", "kGemvPairs")
+    assert op.ROUTE_MAX_PAIRS == constant("route.h", "kRoutePairs")

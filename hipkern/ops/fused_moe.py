@@ -13,9 +13,9 @@ from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
 
-__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "VARIANT",
-           "VARIANTS", "block_ms_for", "choose_block_m", "choose_config", "choose_variant", "decode_fits", "default_block_m",
-           "gemv_fits", "gemv_variants", "launch_choice"]
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "GEMV_VARIANTS",
+           "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m", "choose_config",
+           "choose_variant", "decode_fits", "default_block_m", "gemv_fits", "gemv_variants", "launch_choice"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
@@ -35,6 +35,7 @@ GEMV_VARIANTS = ("gemv", "gemv_mma")
 DECODE_MAX_PAIRS = 32
 DECODE_MAX_BLOCK_M = 64
 GEMV_MAX_PAIRS = 32
+ROUTE_MAX_PAIRS = 256  # the grouped GEMMs route in their blocks up to this many pairs (route.h kRoutePairs)
 _VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2, "gemv_mma": 3}
 
 # Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
@@ -314,8 +315,8 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
                                      hidden_states.dtype, block_m, variant)
     if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
         pairs, dim, inter = topk_ids.numel(), hidden_states.shape[1], w2.shape[2]
-        # at most one partial block an expert; routing in the blocks (<= 256 pairs) counts a block a pair
-        mblocks = max(min(pairs, 256), -(-pairs // block_m) + _routed_experts(w1, expert_map))
+        # at most one partial block an expert; routing in the blocks counts a block a pair
+        mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // block_m) + _routed_experts(w1, expert_map))
         if mblocks * -(-max(dim, inter) // 8) >= 2**30:
             raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
                              f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")
