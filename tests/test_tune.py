@@ -299,6 +299,20 @@ def test_ctrl_c_keeps_finished_rows_and_skip_done_resumes(fresh):
     assert len(best) == 4 and (best[("interrupt", 4)]["variant"], best[("interrupt", 4)]["tile"]) == ("b", "2")
 
 
+def test_an_interrupted_re_tune_keeps_the_shape_s_old_row(fresh):
+    """A shape tuned before and re-tuned with a Ctrl-C half way: its database row stays until a re-tune
+    of it completes (it had been dropped with nothing in its place)."""
+    runner.tune(FAKE, shapes(("interrupt", 4), ("ok", 1)), fresh, progress=False)
+    before = by_key(fresh)
+    assert set(before) == {("interrupt", 4), ("ok", 1)}
+    STATE["interrupts"] = 1
+    with pytest.raises(KeyboardInterrupt):
+        runner.tune(FAKE, shapes(("interrupt", 4)), fresh, progress=False)
+    after = by_key(fresh)
+    assert set(after) == {("interrupt", 4), ("ok", 1)}
+    assert after[("interrupt", 4)] == before[("interrupt", 4)]
+
+
 def test_time_limit_stops_between_shapes(fresh, monkeypatch):
     monkeypatch.setattr(core, "_now", lambda: STATE["clock"])  # prepare() advances the clock by 10 s
     s = runner.tune(FAKE, shapes(("ok", 1), ("ok", 2), ("ok", 4)), fresh, time_limit=15, progress=False)

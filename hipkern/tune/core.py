@@ -327,7 +327,10 @@ def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
         latest[(row_key(schema, r), candidate_of(schema, r).name)] = r
     rows = [latest[k] for k in sorted(latest)]
     write_csv(cpath, rows, schema.columns + STATUS_COLUMNS)
-    again = {(row_key(schema, r), candidate_of(schema, r).name) for r in new_rows}
+    # Only shapes measured to the end replace their rows: an interrupted re-tune (Ctrl-C, a worker lost,
+    # a checkpoint while other workers still measure) keeps the shape's old row until a new one is chosen.
+    again = {(row_key(schema, r), candidate_of(schema, r).name) for r in new_rows
+             if row_key(schema, r) in complete_keys}
     kept = [r for r in _load(schema, out) if (row_key(schema, r), candidate_of(schema, r).name) not in again]
     per_key = {}
     for r in rows:
