@@ -2,7 +2,8 @@
 
 Files: ``tuning/results/<arch>/<op>.csv`` shipped with hipkern (inside a wheel: hipkern/_tuning),
 overlaid row by row by the user's files in ``HIPKERN_TUNING_DB=path[:path...]`` (later files win
-on the same key). Each op declares a :class:`Schema`: its shape keys that must match exactly
+on the same key; within one file the fastest row of a key, then the newest, as the tuner merges; a
+file named in the variable that holds another op's columns is that op's alone). Each op declares a :class:`Schema`: its shape keys that must match exactly
 (dtype, head size, layout, ...), its bucket keys (powers of two: batch, context length, tokens),
 its variant-parameter columns, and optionally further timings of the chosen candidate under other
 inputs (``measures``: fused_moe's ``skewed_us``, every token routed to the same experts). Every file
@@ -20,8 +21,9 @@ Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO),
 ``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys, ready for the tuner (an op whose
 columns differ from the file's header, e.g. the second op a process logs, appends to ``<stem>.<op>.csv``
 beside it). A file
-that cannot be read or lacks columns, and a row with a bad value or a variant the op no longer has,
-is skipped with one warning naming the file (and line); the op still runs.
+that cannot be read or lacks columns, and a row with a bad value, a variant the op no longer has or
+parameters the op cannot run (its Schema.check), is skipped with one warning naming the file (and
+line); the op still runs.
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ class Schema:
     # Further timings (us) of a candidate, optional in a file; the tuner weighs the first one too
     # (hipkern/tune/core.py, prefer_default).
     measures: tuple = ()
+    # The op's own check of a parsed row (variant, "params", exact keys as strings): None if the op can
+    # run it, else why not (the row is then skipped with a warning, as a row with a bad value is).
+    check: object = dataclasses.field(default=None, compare=False)
 
     @property
     def columns(self) -> tuple:
@@ -123,8 +128,13 @@ class _Table:
             with open(path, newline="") as fh:
                 reader = csv.DictReader(fh)
                 # a parameter or measure column a file lacks (written before it existed) reads as empty
-                missing = [c for c in self.schema.columns if c not in (reader.fieldnames or ())
+                have = reader.fieldnames or ()
+                missing = [c for c in self.schema.columns if c not in have
                            and c not in self.schema.param_keys + self.schema.measures]
+                if (all(k in missing for k in self.schema.bucket_keys)
+                        and any(k in missing for k in self.schema.exact_keys)):
+                    log.debug("hipkern: tuning file %s is not a %s file; skipped for it", path, self.schema.op)
+                    return  # another op's file (HIPKERN_TUNING_DB may name one file per op)
                 if missing:
                     warnings.warn(f"hipkern tuning file {path} lacks columns {missing}; skipped", stacklevel=4)
                     return
@@ -132,12 +142,24 @@ class _Table:
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             warnings.warn(f"hipkern tuning file {path} cannot be read ({e}); skipped", stacklevel=4)
             return
+        mine, dups = {}, 0
         for line, raw in rows:
             row = self._parse(raw, arch)
             if isinstance(row, str):
                 warnings.warn(f"hipkern tuning file {path}, line {line}: {row}; row skipped", stacklevel=4)
                 continue
-            self.exact[self.key(row)] = row  # later files win on the same key
+            k = self.key(row)
+            cur = mine.get(k)
+            dups += cur is not None
+            # Within a file, the tuner's rule (hipkern/tune/core.py merge_best): the lowest us, then the
+            # newer date, then the later row.
+            if cur is None or (float(row["us"]), _date_rank(row.get("date") or "")) <= (
+                    float(cur["us"]), _date_rank(cur.get("date") or "")):
+                mine[k] = row
+        if dups:
+            warnings.warn(f"hipkern tuning file {path} has {dups} rows whose key an earlier row has; kept the "
+                          f"fastest of each key (then the newest)", stacklevel=4)
+        self.exact.update(mine)  # later files win on the same key
 
     def _parse(self, raw: dict, arch: str):
         s = self.schema
@@ -162,8 +184,14 @@ class _Table:
             lo, hi = s.param_ranges.get(k, (-math.inf, math.inf))
             if not lo <= v <= hi:
                 return f"{k}={v} is outside [{lo}, {hi}]"
-        if any(raw[k] in ("", None) for k in s.exact_keys):
-            return "an exact key is empty"
+        for k in s.exact_keys:
+            row[k] = raw[k].strip()
+            if not row[k]:
+                return "an exact key is empty"
+        if s.check is not None:
+            why = s.check(row)
+            if why:
+                return why
         return row
 
     def find(self, exact: tuple, buckets: tuple, cu_count: int):

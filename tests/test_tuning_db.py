@@ -120,6 +120,7 @@ def test_user_overlay_wins_row_by_row(shipped, tmp_path, monkeypatch):
     (dict(us="fast"), "a number column holds something else"),
     (dict(arch="gfx942"), "arch 'gfx942' is not 'sm_90'"),
     (dict(dtype=""), "an exact key is empty"),
+    (dict(dtype="  "), "an exact key is empty"),
     (dict(partition_size=0), r"partition_size=0 is outside \[1, 4096\]"),
     (dict(partition_size=8192), r"partition_size=8192 is outside \[1, 4096\]"),
 ])
@@ -181,3 +182,113 @@ def test_paged_attention_schema_names_its_variants():
     schema = tuning_db._schemas["paged_attention"]
     assert schema.variants == frozenset(VARIANTS)
     assert {"dtype", "head_size", "block_size", "num_q_heads", "num_kv_heads", "kv_layout"} == set(schema.exact_keys)
+
+
+def test_exact_keys_are_stripped(shipped):
+    """A hand-edited row's ' 128' matches head size 128 (the bucket and parameter columns already read
+    through int(), which allows the spaces)."""
+    write(shipped, [row("b", 8, 2048, head_size=" 128", dtype="bfloat16 ")])
+    assert find(8, 2048).variant == "b"
+
+
+def test_duplicate_keys_in_a_file_keep_the_fastest_then_the_newest(shipped):
+    """Within one file the tuner's rule (lowest us, then the newer date), with a warning; across files
+    the later file still wins (test_user_overlay_wins_row_by_row)."""
+    write(shipped, [row("a", 8, 2048, us=9.0, date="2020-01-01"), row("b", 8, 2048, us=5.0, date="2019-01-01"),
+                    row("c", 8, 2048, us=7.0, date="2027-01-01"), row("a", 16, 2048, us=5.0, date="2026-01-01"),
+                    row("b", 16, 2048, us=5.0, date="2026-02-01")])
+    with pytest.warns(UserWarning, match="toyop.csv has 3 rows whose key an earlier row has"):
+        assert find(8, 2048).variant == "b"
+    assert find(16, 2048).variant == "b"
+
+
+def test_another_op_s_file_in_the_overlay_is_silent_for_this_op(shipped, tmp_path, monkeypatch, recwarn):
+    """HIPKERN_TUNING_DB may name one file per op: a file with another op's columns is not this op's."""
+    other = write(tmp_path / "other.csv", [dict(arch="sm_90", cu_count=132, variant="x", us=1.0, tbps=1.0, err=0.0,
+                                                date="", commit="", dtype="bfloat16", tokens=8)],
+                  columns=("arch", "cu_count", "variant", "us", "tbps", "err", "date", "commit", "dtype", "tokens"))
+    write(shipped, [row("a", 8, 2048)])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(other))
+    tuning_db.reset()
+    assert find(8, 2048).variant == "a"
+    assert not [w for w in recwarn if "other.csv" in str(w.message)]
+    # but a file of this op's that lacks one of its columns still warns
+    write(tmp_path / "mine.csv", [row("b", 8, 2048)], columns=[c for c in SCHEMA.columns if c != "context"])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(tmp_path / "mine.csv"))
+    tuning_db.reset()
+    with pytest.warns(UserWarning, match=r"mine.csv lacks columns \['context'\]"):
+        assert find(8, 2048).variant == "a"
+
+
+def test_the_op_s_own_check_skips_rows_it_cannot_run(shipped):
+    checked = Schema(op="toyop3", exact_keys=("dtype",), bucket_keys=("batch",), param_keys=("partition_size",),
+                     variants=frozenset({"a", "b"}),
+                     check=lambda r: "b takes no partition_size" if r["variant"] == "b" and r["params"] else None)
+    tuning_db.register(checked)
+    base = dict(arch="sm_90", cu_count=132, us=1.0, tbps=1.0, err=0.0, date="", commit="", dtype="bfloat16")
+    write(shipped.with_name("toyop3.csv"), [dict(base, variant="b", batch=8, partition_size=64),
+                                            dict(base, variant="a", batch=16, partition_size=64)],
+          columns=checked.columns)
+    with pytest.warns(UserWarning, match="toyop3.csv, line 2: b takes no partition_size; row skipped"):
+        c = lookup("toyop3", "sm_90", 132, dtype="bfloat16", batch=8)
+    assert (c.variant, c.source) == ("a", "nearest")
+
+
+def _op_rows(op, rows, monkeypatch, tmp_path):
+    schema = tuning_db._schemas[op]
+    path = write(tmp_path / f"{op}.csv", rows, columns=schema.columns)
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(path))
+    tuning_db.reset()
+
+
+def test_paged_attention_rows_the_op_cannot_run_are_skipped(shipped, tmp_path, monkeypatch):
+    """A parameter the variant's plan does not take, or a heads_per_block its kernel lacks for the group:
+    skipped with a warning at load (each had made every call of its shape raise)."""
+    from hipkern.ops import paged_attention as pa
+
+    base = dict(arch="sm_90", cu_count=132, us=5.0, tbps=1.0, err=0.0, date="2027-01-01", commit="x",
+                dtype="bfloat16", head_size=128, block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout="NHD",
+                context=1024, partition_size="", heads_per_block="", blocks_per_slot="")
+    _op_rows("paged_attention", [dict(base, variant="v16", batch=1, blocks_per_slot=2),
+                                 dict(base, variant="v16", batch=2, heads_per_block=8),
+                                 dict(base, variant="v3", batch=4, heads_per_block=16),
+                                 dict(base, variant="v5", batch=8, blocks_per_slot=2, partition_size=256)],
+             monkeypatch, tmp_path)
+    shape = dict(dtype="bfloat16", head_size=128, block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout="NHD",
+                 context=1024)
+    with pytest.warns(UserWarning) as rec:
+        c = lookup("paged_attention", "sm_90", 132, **shape, batch=8)
+    msgs = " | ".join(str(w.message) for w in rec)
+    assert "line 2: variant v16 takes no blocks_per_slot" in msgs
+    assert "line 3: heads_per_block for variant v16 with GQA group 4 must be one of [16], got 8" in msgs
+    assert "line 4: heads_per_block for variant v3 with GQA group 4 must be one of [1, 2, 4], got 16" in msgs
+    assert (c.variant, c.params) == ("v5", {"blocks_per_slot": 2, "partition_size": 256})
+    for b in (1, 2, 4):  # every shape now finds the one good row, which the op can plan
+        c = lookup("paged_attention", "sm_90", 132, **shape, batch=b)
+        var = pa.VARIANTS[c.variant]
+        p = pa.with_heads(var, c.params, b, 32, 8, 1024, 132)
+        pa.plan_of(var, pa.make_shape(var, b, 32, 8, 1024, 132, 32, 1, p), p)
+
+
+def test_fused_moe_rows_the_op_cannot_run_are_skipped(shipped, tmp_path, monkeypatch):
+    """A block_m off the dtype's grid and a gemv_mma row for float32 are skipped with a warning; an empty
+    block_m is the variant's default and keeps the row's variant."""
+    import importlib
+
+    import torch
+
+    fm = importlib.import_module("hipkern.ops.fused_moe")
+    base = dict(arch="sm_90", cu_count=132, us=5.0, tbps=1.0, err=0.0, date="2027-01-01", commit="x",
+                model_dim=4096, inter_dim=1024, num_experts=64, topk=2, block_m="", skewed_us="")
+    _op_rows("fused_moe", [dict(base, dtype="bfloat16", tokens=4, variant="gemv_mma"),
+                           dict(base, dtype="float32", tokens=4, variant="gemv_mma", block_m=8),
+                           dict(base, dtype="bfloat16", tokens=16, variant="decode", block_m=24)],
+             monkeypatch, tmp_path)
+    with pytest.warns(UserWarning) as rec:
+        assert fm.choose_config("sm_90", 132, 4, 4096, 1024, 64, 2, torch.bfloat16) == (
+            "gemv_mma", fm.default_block_m(4, 2, 64))
+    msgs = " | ".join(str(w.message) for w in rec)
+    assert "line 3: variant gemv_mma does not run float32" in msgs
+    assert "line 4: block_m=24 is not one of (8, 16, 32, 64, 128) for bfloat16" in msgs
+    assert tuning_db.lookup("fused_moe", "sm_90", 132, dtype="float32", model_dim=4096, inter_dim=1024,
+                            num_experts=64, topk=2, tokens=4) is None

@@ -41,15 +41,29 @@ _VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2, "gemv_mma": 3}
 # Tuning-database schema (hipkern/tuning_db.py): the token count is the bucket; E is the routed
 # expert count (expert_map's length when given). skewed_us: the same call with every token routed to
 # the same experts (the tuner's second objective: hipkern/tune/fused_moe.py).
-tuning_db.register(tuning_db.Schema(
-    op="fused_moe", exact_keys=("dtype", "model_dim", "inter_dim", "num_experts", "topk"),
-    bucket_keys=("tokens",), param_keys=("block_m",), variants=frozenset(VARIANTS),
-    param_ranges={"block_m": (min(BLOCK_MS), max(BLOCK_MS))}, measures=("skewed_us",)))
-
-
 def block_ms_for(dtype) -> tuple:
     """The block_m values of a dtype (float32 keeps its accumulators in registers up to 64)."""
     return BLOCK_MS if dtype != torch.float32 else tuple(b for b in BLOCK_MS if b <= 64)
+
+
+def _row_problem(row: dict) -> str | None:
+    """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a dtype it does
+    not take, a block_m off the dtype's grid, a gemv variant the dtype lacks."""
+    dtype = next((d for d, name in DTYPE_NAMES.items() if name == row["dtype"]), None)
+    if dtype is None:
+        return f"dtype {row['dtype']!r} is not one of {sorted(DTYPE_NAMES.values())}"
+    bm = row["params"].get("block_m")
+    if bm is not None and bm not in block_ms_for(dtype):
+        return f"block_m={bm} is not one of {block_ms_for(dtype)} for {row['dtype']}"
+    if row["variant"] in GEMV_VARIANTS and row["variant"] not in gemv_variants(dtype):
+        return f"variant {row['variant']} does not run {row['dtype']}"
+    return None
+
+
+tuning_db.register(tuning_db.Schema(
+    op="fused_moe", exact_keys=("dtype", "model_dim", "inter_dim", "num_experts", "topk"),
+    bucket_keys=("tokens",), param_keys=("block_m",), variants=frozenset(VARIANTS),
+    param_ranges={"block_m": (min(BLOCK_MS), max(BLOCK_MS))}, measures=("skewed_us",), check=_row_problem))
 
 
 lib.define("fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
@@ -102,10 +116,11 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
     choice = tuning_db.lookup("fused_moe", arch, cu_count, dtype=DTYPE_NAMES[dtype], model_dim=dim,
                               inter_dim=inter_dim, num_experts=num_experts, topk=topk,
                               tokens=tuning_db.bucket(num_tokens))
-    bm = choice.params.get("block_m") if choice else None
-    if bm not in block_ms_for(dtype):
+    if choice is None:
         bm = default_block_m(num_tokens, topk, num_experts, dtype)
         return choose_variant(num_tokens, topk, dtype, bm, num_experts), bm
+    # An empty block_m is the variant's default (the loader has checked any other against the dtype).
+    bm = choice.params.get("block_m") or default_block_m(num_tokens, topk, num_experts, dtype)
     if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
         return VARIANT, bm
     if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import inspect
 import math
 
 import torch
@@ -236,6 +237,27 @@ VARIANTS = {
                   "(_plan_per_sequence)", _plan_per_sequence, kernel="mma", max_seqs=MAX_PER_SEQUENCE_SEQS),
 }
 
+def _row_problem(row: dict) -> str | None:
+    """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a parameter
+    its variant's plan does not take, or a heads_per_block its kernel lacks for the row's GQA group."""
+    var = VARIANTS[row["variant"]]
+    takes = (set(inspect.signature(var.plan).parameters) - {"shape"}) | {"heads_per_block"}
+    extra = sorted(set(row["params"]) - takes)
+    if extra:
+        return f"variant {var.name} takes no {', '.join(extra)}"
+    try:
+        q, kv = int(row["num_q_heads"]), int(row["num_kv_heads"])
+    except ValueError:
+        return "num_q_heads / num_kv_heads are not integers"
+    if kv < 1 or q < 1 or q % kv or q // kv > MAX_GQA:
+        return f"{q} query heads over {kv} KV heads is no GQA group the op takes"
+    try:
+        heads_per_block(var, q // kv, row["params"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 # Tuning-database schema (hipkern/tuning_db.py): the batch and context buckets are powers of two;
 # the context bucket is what the block table addresses (max_blocks_per_seq * block_size), known
 # without reading context_lens from the GPU.
@@ -245,7 +267,8 @@ tuning_db.register(tuning_db.Schema(
     bucket_keys=("batch", "context"),
     param_keys=("partition_size", "heads_per_block", "blocks_per_slot"),
     variants=frozenset(VARIANTS),
-    param_ranges={"partition_size": (1, MAX_TOKENS), "heads_per_block": (1, MAX_GQA), "blocks_per_slot": (1, 64)}))
+    param_ranges={"partition_size": (1, MAX_TOKENS), "heads_per_block": (1, MAX_GQA), "blocks_per_slot": (1, 64)},
+    check=_row_problem))
 # Names of the design that measured as v16 itself (NOTES.md, version 11), kept so that they run:
 #   v4 (a fast path for full tiles without bounds checks, a safe one for the tail): v16 copies full and
 #      partial tiles with the same cp.async (masked rows zero-filled by it at no cost) and masks scores
