@@ -150,10 +150,14 @@ def test_out_of_range_ids_stay_in_bounds_and_validate_rejects_them(t):
     ids[0, 0], ids[-1, 1], ids[t // 2, 2] = -5, 64, 2**31 - 1
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 64\)"):
         hipkern.moe_sorting(ids, 64, 16, validate=True)
-    guard = torch.full((1 << 16,), 12345, device="cuda", dtype=torch.int32)  # neighbours must stay intact
-    sorted_ids, expert_ids, num_post = _run(ids, 64, 16)
+    # Each output a view in the middle of a larger buffer: the words around it must stay as they were.
+    mp, slack = moe_sorting_max_padded(ids.numel(), 64, 16), 4096
+    bufs = [torch.full((n + 2 * slack,), 12345, device="cuda", dtype=torch.int32) for n in (mp, mp // 16, 1)]
+    out = tuple(poison(b[slack:-slack]) for b in bufs)
+    sorted_ids, expert_ids, num_post = hipkern.moe_sorting(ids, 64, 16, out=out)
     torch.cuda.synchronize()
-    assert (guard == 12345).all()
+    for b in bufs:
+        assert bool((b[:slack] == 12345).all() and (b[-slack:] == 12345).all()), "a write outside an output"
     assert int(sorted_ids.min()) >= 0 and int(sorted_ids.max()) <= ids.numel()
     assert int(expert_ids.min()) >= -1 and int(expert_ids.max()) < 64
     assert 0 <= int(num_post) <= sorted_ids.numel()
@@ -162,6 +166,60 @@ def test_out_of_range_ids_stay_in_bounds_and_validate_rejects_them(t):
                             expert_map=torch.full((64,), -2, device="cuda", dtype=torch.int32))
     ok = _routing(t, 4, 64)
     _check(ok, 64, 16, hipkern.moe_sorting(ok, 64, 16, validate=True))
+
+
+@pytest.mark.gpu
+def test_largest_accepted_input_near_the_int32_limit():
+    """The most pairs the op accepts at E = 1, block_m = 1 (T*k + E*block_m + 4096 = 2^31 - 1): the
+    multi-block path's grid-stride loops over positions (stride ~ pairs / 8) must not wrap past 2^31.
+    In 32 bits the tail loop's first position, total + first, wrapped negative for most threads and they
+    wrote ~8 GiB before sorted_token_ids. ~26 GB of GPU memory."""
+    n = 2**31 - 1 - 1 - 4096
+    if torch.cuda.mem_get_info()[0] < 30 * 2**30:
+        pytest.skip("needs ~30 GB of free GPU memory")
+    ids = torch.zeros((n, 1), dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="too many entries"):
+        hipkern.moe_sorting(torch.empty((n + 1, 1), dtype=torch.int32, device="meta"), 1, 1)
+    sorted_ids, expert_ids, num_post = _run(ids, 1, 1)
+    torch.cuda.synchronize()
+    assert int(num_post) == n
+    assert sorted_ids.numel() == expert_ids.numel() == n
+    chunk = 2**28
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        want = torch.arange(c0, c1, dtype=torch.int32, device="cuda")
+        assert torch.equal(sorted_ids[c0:c1], want), f"sorted_token_ids wrong in [{c0}, {c1})"
+        assert bool((expert_ids[c0:c1] == 0).all()), f"expert_ids wrong in [{c0}, {c1})"
+        assert bool((ids.view(-1)[c0:c1] == 0).all()), f"topk_ids overwritten in [{c0}, {c1})"
+    del sorted_ids, expert_ids, ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["topk_ids", "expert_map", "outputs"])
+def test_outputs_overlapping_the_inputs_are_rejected(which):
+    """The multi-block path re-reads the ids and the map while other blocks write the outputs: an
+    overlap is refused before any launch (here at 8192 pairs, where sorted_token_ids is as long as the ids)."""
+    e, bm = 1024, 1
+    ids = _routing(8192, 1, e)
+    emap = torch.arange(e, device="cuda", dtype=torch.int32)
+    mp = moe_sorting_max_padded(ids.numel(), e, bm)
+    out = [torch.empty(n, dtype=torch.int32, device="cuda") for n in (mp, mp // bm, 1)]
+    before = ids.clone()
+    if which == "topk_ids":
+        assert mp == ids.numel()
+        out[0] = ids.view(-1)
+        match = r"out\[0\] \(sorted_token_ids\) must not overlap topk_ids"
+    elif which == "expert_map":
+        big = torch.empty(mp // bm + e, dtype=torch.int32, device="cuda")
+        out[1], emap = big[: mp // bm], big[mp // bm - 1:][:e]
+        emap.copy_(torch.arange(e, device="cuda", dtype=torch.int32))
+        match = r"out\[1\] \(expert_ids\) must not overlap expert_map"
+    else:
+        out[2] = out[1][:1]
+        match = r"out\[1\] \(expert_ids\) must not overlap out\[2\]"
+    with pytest.raises(ValueError, match=match):
+        hipkern.moe_sorting(ids, e, bm, expert_map=emap, out=tuple(out))
+    assert torch.equal(ids, before)
 
 
 @pytest.mark.gpu

@@ -170,9 +170,11 @@ HK_DEVICE void layout(const Args& a, RankSmem& s, int blk, int nblk) {
   __syncthreads();
 
   if (blk == 0 && threadIdx.x == 0) *a.num_post = total;
+  // The grid-stride loops over positions count in 64 bits: the multi-block grid's stride is ~pairs / 8,
+  // so near the int32 limit of max_padded a 32-bit `total + first` or `j + stride` would wrap negative.
   const int first = blk * kThreads + threadIdx.x, stride = nblk * kThreads;
-  for (int j = first; j < a.max_padded / bm; j += stride) {
-    const int pos = j * bm;
+  for (int64_t j = first; j < a.max_padded / bm; j += stride) {
+    const int pos = (int)j * bm;
     int v = -1;
     if (pos < total) {  // the last expert whose segment starts at or before pos
       int lo = 0, hi = E - 1;
@@ -199,7 +201,7 @@ HK_DEVICE void layout(const Args& a, RankSmem& s, int blk, int nblk) {
     }
     for (; q < end; ++q) a.sorted[q] = a.num_pairs;
   }
-  for (int q = total + first; q < a.max_padded; q += stride) a.sorted[q] = a.num_pairs;
+  for (int64_t q = (int64_t)total + first; q < a.max_padded; q += stride) a.sorted[q] = a.num_pairs;
 }
 
 // Wave w's part [lo, lo + len) of the pairs [begin, end): contiguous, in wave order.

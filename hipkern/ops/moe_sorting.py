@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import check_device, check_int, check_no_overlap, check_tensor, lib, module_for, on_device, raw_stream
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -17,6 +17,9 @@ lib.define("moe_sorting(Tensor topk_ids, int num_experts, int block_m, Tensor? e
            "-> (Tensor, Tensor, Tensor)")
 lib.define("moe_sorting_out(Tensor topk_ids, int num_experts, int block_m, Tensor? expert_map, "
            "Tensor(a!) sorted_token_ids, Tensor(b!) expert_ids, Tensor(c!) num_tokens_post_padded) -> ()")
+
+
+_OUT_NAMES = ("out[0] (sorted_token_ids)", "out[1] (expert_ids)", "out[2] (num_tokens_post_padded)")
 
 
 def moe_sorting_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -42,7 +45,7 @@ def _validate(topk_ids, num_experts, block_m, expert_map, out=None) -> None:
     if num_pairs + num_experts * block_m + _HEADROOM > _INT32_MAX:
         raise ValueError(f"topk_ids has too many entries ({num_pairs}) for int32 indices with {num_experts} "
                          f"experts and block_m {block_m}")
-    names = ("out[0] (sorted_token_ids)", "out[1] (expert_ids)", "out[2] (num_tokens_post_padded)")
+    names = _OUT_NAMES
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise ValueError("out must be a triple (sorted_token_ids, expert_ids, num_tokens_post_padded)")
@@ -88,14 +91,25 @@ def _launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_
         mod.check(rc, "moe_sorting")
 
 
-def _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post) -> None:
+def _run(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post) -> None:
     on_device(topk_ids.get_device(), _launch_here, topk_ids, num_experts, block_m, expert_map, sorted_ids,
               expert_ids, num_post)
 
 
+def _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post) -> None:
+    """The caller's outputs (out=): the multi-block path re-reads the ids (and the map) while other blocks
+    write the outputs, so an overlap would change the ranking under way (cursors past their segments).
+    Addresses only: at launch, never while tracing."""
+    ins = {"topk_ids": topk_ids} if expert_map is None else {"topk_ids": topk_ids, "expert_map": expert_map}
+    outs = list(zip(_OUT_NAMES, (sorted_ids, expert_ids, num_post)))
+    for i, (name, t) in enumerate(outs):
+        check_no_overlap(name, t, **ins, **dict(outs[i + 1:]))
+    _run(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
+
+
 def _gpu_impl(topk_ids, num_experts, block_m, expert_map=None):
     outs = _outputs(topk_ids, num_experts, block_m)
-    _launch(topk_ids, num_experts, block_m, expert_map, *outs)
+    _run(topk_ids, num_experts, block_m, expert_map, *outs)
     return outs
 
 
