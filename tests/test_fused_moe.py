@@ -1129,3 +1129,19 @@ def test_python_pair_limits_are_the_kernels():
     assert op.DECODE_MAX_PAIRS == constant("decode.h", "kDecodePairs")
     assert op.GEMV_MAX_PAIRS == constant("gemv.h", "kGemvPairs")
     assert op.ROUTE_MAX_PAIRS == constant("route.h", "kRoutePairs")
+
+
+@pytest.mark.gpu
+def test_direct_op_calls_are_validated_before_any_launch():
+    x = make_tokens(4, 64, torch.bfloat16)
+    w1, w2 = make_weights(8, 64, 16, torch.bfloat16)
+    w, ids = routing_weights(4, 2), uniform_ids(4, 2, 8)
+    with pytest.raises(ValueError, match="w2"):
+        torch.ops.hipkern.fused_moe(x, w1, w2[:, :32], w, ids, "silu", None, 0, "")
+    with pytest.raises(ValueError, match="topk_ids"):
+        torch.ops.hipkern.fused_moe(x, w1, w2, w, ids.long(), "silu", None, 0, "")
+    out = torch.full((1, 64), 7.0, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="out"):
+        torch.ops.hipkern.fused_moe_out(x, w1, w2, w, ids, "silu", None, 0, "", out)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())

@@ -311,3 +311,39 @@ def test_fake_impl_gives_the_output_shapes_without_a_gpu():
         assert w.shape == (5, 8) and w.dtype == torch.float32 and ids.dtype == torch.int32
         with pytest.raises(ValueError, match="num_expert_group must divide"):
             torch.ops.hipkern.grouped_topk(x, None, 8, 7, 4, "sigmoid", True, 1.0)
+
+
+@pytest.mark.gpu
+def test_direct_op_calls_are_validated_before_any_launch():
+    """torch.ops.hipkern.grouped_topk(_out) called directly get the Python function's checks (a short bias
+    had been read past its end, too small out views written past theirs)."""
+    x = torch.randn(1000, 256, device="cuda")
+    with pytest.raises(ValueError, match=r"correction_bias must have shape \(256,\)"):
+        torch.ops.hipkern.grouped_topk(x, torch.zeros(8, device="cuda"), 8, 8, 4, "sigmoid", True, 1.0)
+    w = torch.full((1, 8), 7.0, device="cuda")
+    ids = torch.full((1, 8), 7, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"out\[0\] \(weights\) must have shape \(1000, 8\)"):
+        torch.ops.hipkern.grouped_topk_out(x, None, 8, 8, 4, "sigmoid", True, 1.0, w, ids)
+    with pytest.raises(ValueError, match="gating_logits must be contiguous"):
+        torch.ops.hipkern.grouped_topk(torch.randn(256, 1000, device="cuda").t(), None, 8, 8, 4, "sigmoid", True, 1.0)
+    with pytest.raises(ValueError, match="gating_logits must be one of"):
+        torch.ops.hipkern.grouped_topk(x.double(), None, 8, 8, 4, "sigmoid", True, 1.0)
+    torch.cuda.synchronize()
+    assert bool((w == 7.0).all() and (ids == 7).all())
+
+
+@pytest.mark.gpu
+def test_out_overlapping_the_inputs_or_each_other_is_rejected():
+    x = torch.randn(64, 8, device="cuda")
+    buf = torch.empty(64, 8, device="cuda")
+    for out, match in (((buf, buf.view(torch.int32)), r"out\[0\] \(weights\) must not overlap out\[1\] \(ids\)"),
+                       ((x, torch.empty(64, 8, dtype=torch.int32, device="cuda")),
+                        r"out\[0\] \(weights\) must not overlap gating_logits")):
+        with pytest.raises(ValueError, match=match):
+            hipkern.grouped_topk(x, None, 8, 1, 1, out=out)
+        with pytest.raises(ValueError, match=match):
+            torch.ops.hipkern.grouped_topk_out(x, None, 8, 1, 1, "sigmoid", True, 1.0, *out)
+    bias = torch.zeros(8, device="cuda")
+    ids = torch.empty(64, 8, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"out\[1\] \(ids\) must not overlap correction_bias"):
+        hipkern.grouped_topk(x, ids.view(torch.float32)[0], 8, 1, 1, out=(torch.empty(64, 8, device="cuda"), ids))

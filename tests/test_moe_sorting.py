@@ -353,3 +353,17 @@ def test_fake_impl_gives_the_output_shapes_without_a_gpu():
         assert s.dtype == x.dtype == n.dtype == torch.int32
         with pytest.raises(ValueError, match="block_m must be in"):
             torch.ops.hipkern.moe_sorting(ids, 256, 0, None)
+
+
+@pytest.mark.gpu
+def test_direct_op_calls_are_validated_before_any_launch():
+    ids = _routing(64, 8, 256)
+    with pytest.raises(ValueError, match=r"num_experts must be in \[1, 1024\]"):
+        torch.ops.hipkern.moe_sorting(ids, 0, 16, None)
+    with pytest.raises(ValueError, match=r"expert_map must have shape \(256,\)"):
+        torch.ops.hipkern.moe_sorting(ids, 256, 16, torch.zeros(8, dtype=torch.int32, device="cuda"))
+    small = [torch.full((n,), 7, dtype=torch.int32, device="cuda") for n in (16, 1, 1)]
+    with pytest.raises(ValueError, match=r"out\[0\] \(sorted_token_ids\) must have shape"):
+        torch.ops.hipkern.moe_sorting_out(ids, 256, 16, None, *small)
+    torch.cuda.synchronize()
+    assert all(bool((t == 7).all()) for t in small)

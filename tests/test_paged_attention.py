@@ -637,3 +637,25 @@ def test_reference_against_sdpa_on_gathered_kv(layout):
         torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-5)  # the reference's softmax is float32
         scores = (q[i][:, None] * kk).sum(-1) * 0.3  # [Hq, n]
         torch.testing.assert_close(lse[i].double(), scores.exp().sum(-1).log(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_direct_op_calls_are_validated_before_any_launch():
+    """torch.ops.hipkern.paged_attention_decode called directly gets the Python function's checks (a block
+    table with fewer rows than sequences had been read past its end), and its lse's shape is checked."""
+    q, k, v, bt, cl = make_case([40, 70])
+    scale = q.shape[-1] ** -0.5
+    out = poison(torch.empty_like(q))
+    no_lse = torch.empty((0,), dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="block_tables must be"):
+        torch.ops.hipkern.paged_attention_decode(q, k, v, bt[:1], cl, scale, "NHD", "", out, no_lse)
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 8\)"):
+        torch.ops.hipkern.paged_attention_decode(q, k, v, bt, cl, scale, "NHD", "",
+                                                 out, torch.empty((1, 8), dtype=torch.float32, device="cuda"))
+    with pytest.raises(ValueError, match="variant must be None or one of"):
+        torch.ops.hipkern.paged_attention_decode(q, k, v, bt, cl, scale, "NHD", "v99", out, no_lse)
+    torch.cuda.synchronize()
+    assert bool(out.isnan().all())
+    torch.ops.hipkern.paged_attention_decode(q, k, v, bt, cl, scale, "NHD", "v4", out, no_lse)  # an alias runs
+    ref, _ = paged_attention_ref(q, k, v, bt, cl, scale=scale, kv_layout="NHD")
+    assert checkAllclose(out, ref, msg="direct call ", **TOL[q.dtype]) == 0

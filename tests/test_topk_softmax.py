@@ -218,3 +218,33 @@ def test_op_is_registered_for_compile_and_graphs():
     assert hasattr(torch.ops.hipkern, "topk_softmax") and hasattr(torch.ops.hipkern, "topk_softmax_out")
     schema = str(torch.ops.hipkern.topk_softmax_out.default._schema)
     assert "Tensor(a!) weights" in schema and "Tensor(b!) ids" in schema
+
+
+@pytest.mark.gpu
+def test_direct_op_calls_are_validated_before_any_launch():
+    """torch.ops.hipkern.topk_softmax(_out) called directly get the Python function's checks (too small out
+    views had been written past their ends)."""
+    x = torch.randn(1000, 64, device="cuda")
+    w = torch.full((1, 4), 7.0, device="cuda")
+    ids = torch.full((1, 4), 7, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"out\[0\] \(weights\) must have shape \(1000, 4\)"):
+        torch.ops.hipkern.topk_softmax_out(x, 4, True, w, ids)
+    with pytest.raises(ValueError, match="gating_logits must be contiguous"):
+        torch.ops.hipkern.topk_softmax(torch.randn(64, 1000, device="cuda").t(), 4, True)
+    with pytest.raises(ValueError, match="topk must be in"):
+        torch.ops.hipkern.topk_softmax(x, 65, True)
+    torch.cuda.synchronize()
+    assert bool((w == 7.0).all() and (ids == 7).all())
+
+
+@pytest.mark.gpu
+def test_out_overlapping_the_logits_or_each_other_is_rejected():
+    x = torch.randn(64, 8, device="cuda")
+    buf = torch.empty(64, 8, device="cuda")
+    for out, match in (((buf, buf.view(torch.int32)), r"out\[0\] \(weights\) must not overlap out\[1\] \(ids\)"),
+                       ((x, torch.empty(64, 8, dtype=torch.int32, device="cuda")),
+                        r"out\[0\] \(weights\) must not overlap gating_logits")):
+        with pytest.raises(ValueError, match=match):
+            hipkern.topk_softmax(x, 8, out=out)
+        with pytest.raises(ValueError, match=match):
+            torch.ops.hipkern.topk_softmax_out(x, 8, True, *out)

@@ -127,6 +127,13 @@ def check_routing_out(out, num_tokens: int, topk: int) -> dict:
     return {"out[0] (weights)": out[0], "out[1] (ids)": out[1]}
 
 
+def check_routing_apart(weights, ids, **inputs) -> None:
+    """A routing op's `out=` pair must share no memory with its inputs nor with each other (the kernels
+    read the logits while other rows' weights and ids are written). Addresses only: at launch."""
+    check_no_overlap("out[0] (weights)", weights, **inputs, **{"out[1] (ids)": ids})
+    check_no_overlap("out[1] (ids)", ids, **inputs)
+
+
 @contextlib.contextmanager
 def module_override(mod: jit.Module, family: str, device_index: int, **params):
     """Within the block, module_for(family, device_index, **params) returns `mod` (a diagnostic build of

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_out, check_tensor, is_float32, lib,
-                      module_for, on_device, raw_stream)
+from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_apart, check_routing_out, check_tensor,
+                      is_float32, lib, module_for, on_device, raw_stream)
 
 __all__ = ["grouped_topk", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
 
@@ -106,8 +106,38 @@ def _gpu_impl(gating_logits, correction_bias, topk, num_expert_group, topk_group
     return weights, ids
 
 
-lib.impl("grouped_topk", _gpu_impl, "CUDA")
-lib.impl("grouped_topk_out", _launch, "CUDA")
+def _launch_out(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+                routed_scaling_factor, weights, ids) -> None:
+    """The caller's outputs: each must be apart from the inputs and from the other (addresses: at launch)."""
+    ins = {"gating_logits": gating_logits}
+    if correction_bias is not None:
+        ins["correction_bias"] = correction_bias
+    check_routing_apart(weights, ids, **ins)
+    _launch(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+            routed_scaling_factor, weights, ids)
+
+
+# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
+# graph) gets the Python function's checks before any launch.
+# (The dispatcher leaves out trailing arguments equal to their defaults: hence the full signatures.)
+def _checked_impl(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring="sigmoid",
+                  renormalize=True, routed_scaling_factor=1.0):
+    args = (gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+            routed_scaling_factor)
+    _validate(*args)
+    return _gpu_impl(*args)
+
+
+def _checked_out(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+                 routed_scaling_factor, weights, ids):
+    args = (gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+            routed_scaling_factor)
+    _validate(*args, (weights, ids))
+    _launch_out(*args, weights, ids)
+
+
+lib.impl("grouped_topk", _checked_impl, "CUDA")
+lib.impl("grouped_topk_out", _checked_out, "CUDA")
 
 
 @torch.library.register_fake("hipkern::grouped_topk")
@@ -170,5 +200,5 @@ def grouped_topk(gating_logits: torch.Tensor, correction_bias: torch.Tensor | No
         return out[0], out[1]
     if out is None:
         return _gpu_impl(*args)
-    _launch(*args, out[0], out[1])
+    _launch_out(*args, out[0], out[1])
     return out[0], out[1]

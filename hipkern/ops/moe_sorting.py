@@ -113,8 +113,20 @@ def _gpu_impl(topk_ids, num_experts, block_m, expert_map=None):
     return outs
 
 
-lib.impl("moe_sorting", _gpu_impl, "CUDA")
-lib.impl("moe_sorting_out", _launch, "CUDA")
+# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
+# graph) gets the Python function's checks before any launch.
+def _checked_impl(topk_ids, num_experts, block_m, expert_map=None):
+    _validate(topk_ids, num_experts, block_m, expert_map)
+    return _gpu_impl(topk_ids, num_experts, block_m, expert_map)
+
+
+def _checked_out(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post):
+    _validate(topk_ids, num_experts, block_m, expert_map, (sorted_ids, expert_ids, num_post))
+    _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
+
+
+lib.impl("moe_sorting", _checked_impl, "CUDA")
+lib.impl("moe_sorting_out", _checked_out, "CUDA")
 
 
 @torch.library.register_fake("hipkern::moe_sorting")

@@ -418,7 +418,19 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
         mod.check(rc, "paged_attention_decode")
 
 
-lib.impl("paged_attention_decode", _launch, "CUDA")
+def _checked_launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
+    """torch.ops.hipkern.paged_attention_decode called directly (or from a compiled graph): its arguments
+    are validated as the Python function validates them before it launches."""
+    _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, True,
+              ALIASES.get(variant, variant) or None)
+    if lse.numel():
+        check_tensor("lse", lse, dtypes=(torch.float32,), shape=tuple(query.shape[:2]))
+        check_device(query.device, lse=lse)
+    _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout,
+            ALIASES.get(variant, variant), out, lse)
+
+
+lib.impl("paged_attention_decode", _checked_launch, "CUDA")
 
 
 @torch.library.register_fake("hipkern::paged_attention_decode")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_out, check_tensor, lib, module_for,
-                      on_device, raw_stream)
+from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_apart, check_routing_out, check_tensor,
+                      lib, module_for, on_device, raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -70,8 +70,26 @@ def _gpu_impl(gating_logits, topk, renormalize=True):
     return weights, ids
 
 
-lib.impl("topk_softmax", _gpu_impl, "CUDA")
-lib.impl("topk_softmax_out", _launch, "CUDA")
+def _launch_out(gating_logits, topk, renormalize, weights, ids) -> None:
+    """The caller's outputs: each must be apart from the logits and from the other (addresses: at launch)."""
+    check_routing_apart(weights, ids, gating_logits=gating_logits)
+    _launch(gating_logits, topk, renormalize, weights, ids)
+
+
+# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
+# graph) gets the Python function's checks before any launch.
+def _checked_impl(gating_logits, topk, renormalize=True):
+    _validate(gating_logits, topk, renormalize)
+    return _gpu_impl(gating_logits, topk, renormalize)
+
+
+def _checked_out(gating_logits, topk, renormalize, weights, ids):
+    _validate(gating_logits, topk, renormalize, (weights, ids))
+    _launch_out(gating_logits, topk, renormalize, weights, ids)
+
+
+lib.impl("topk_softmax", _checked_impl, "CUDA")
+lib.impl("topk_softmax_out", _checked_out, "CUDA")
 
 
 @torch.library.register_fake("hipkern::topk_softmax")
@@ -98,8 +116,10 @@ def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = Tru
 
     Returns:
         (weights float32 [num_tokens, topk], ids int32 [num_tokens, topk]), best expert first (`out`
-        itself when given). Equal to float32 softmax then a stable descending sort: of equal logits
-        the lower expert index comes first. num_tokens == 0 gives empty tensors. Logits must be
+        itself when given). The experts are ranked by logit, larger first, and of equal logits the
+        lower expert index first: the order of float32 softmax then a stable descending sort, except
+        where distinct logits round to the same float32 probability (both underflow to 0, say), which
+        keep their logits' order. num_tokens == 0 gives empty tensors. Logits must be
         finite or -inf with a finite row maximum; NaN gives unspecified (but in-range) ids.
     """
     _validate(gating_logits, topk, renormalize, out)
@@ -110,5 +130,5 @@ def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = Tru
         return out[0], out[1]
     if out is None:
         return _gpu_impl(gating_logits, topk, renormalize)
-    _launch(gating_logits, topk, renormalize, out[0], out[1])
+    _launch_out(gating_logits, topk, renormalize, out[0], out[1])
     return out[0], out[1]
