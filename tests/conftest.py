@@ -90,3 +90,14 @@ def tiny_spec(root, name="tiny", factor="2.0f"):
 
     return ModuleSpec(name=name, sources=("tiny/tiny.hip",), defines=(("TINY_FACTOR", factor),),
                       functions=(("hk_tiny_scale", "i32", ("ptr", "i32", "i32", "ptr")),), root=Path(root))
+
+
+def routing_out_overlaps(x):
+    """(out, match) cases of a routing op's out= pair (topk = all of x's experts) that overlap each other or
+    the logits x, float32 [T, E] on the GPU, with the ValueError each must raise."""
+    import torch
+
+    buf = torch.empty_like(x)
+    return [((buf, buf.view(torch.int32)), r"out\[0\] \(weights\) must not overlap out\[1\] \(ids\)"),
+            ((x, torch.empty(x.shape, dtype=torch.int32, device=x.device)),
+             r"out\[0\] \(weights\) must not overlap gating_logits")]
