@@ -67,7 +67,7 @@ def test_each_row_is_the_default_within_the_margin_or_the_best_beyond_it_or_bett
         cands = measured[tuple(r[k] for k in keys)]
         assert cands, r
         best = min(float(c["us"]) for c in cands)
-        default = adapter.heuristic(adapter.parse_shape(r))  # what the op runs untuned
+        default = adapter.heuristic(adapter.parse_shape(r), adapter.info_for(r["arch"], int(r["cu_count"])))
         default_us = [float(c["us"]) for c in cands
                       if c["variant"] == default.variant and _params(schema, c) == default.kwargs]
         assert default_us, r

@@ -81,7 +81,7 @@ class FakeTuner:
     def info_for(self, arch, cu_count):
         return {"arch": arch, "cu_count": cu_count}
 
-    def heuristic(self, s):
+    def heuristic(self, s, info):
         return Candidate("a")
 
     def candidates(self, s, info):

@@ -33,7 +33,7 @@ def test_bad_shapes_name_the_column(change, match):
 def test_candidates_are_every_block_m_of_the_dtype_heuristic_first(dtype):
     s = ADAPTER.parse_shape({**RAW, "dtype": dtype})
     kept = ADAPTER.candidates(s, ADAPTER.info_for("sm_90", 132)).kept
-    assert kept[0] == ADAPTER.heuristic(s)
+    assert kept[0] == ADAPTER.heuristic(s, ADAPTER.info_for("sm_90", 132))
     assert sorted(c.kwargs["block_m"] for c in kept) == sorted(block_ms_for(getattr(torch, dtype)))  # 32 tokens
     assert len({c.name for c in kept}) == len(kept)
     assert (128 in [c.kwargs["block_m"] for c in kept]) == (dtype != "float32")
@@ -45,7 +45,7 @@ def test_candidates_are_every_block_m_of_the_dtype_heuristic_first(dtype):
 def test_few_pairs_add_the_decode_and_gemv_variants(dtype, experts, tokens, few):
     s = ADAPTER.parse_shape({**RAW, "dtype": dtype, "tokens": tokens, "num_experts": experts})
     kept = ADAPTER.candidates(s, ADAPTER.info_for("sm_90", 132)).kept
-    assert kept[0] == ADAPTER.heuristic(s)
+    assert kept[0] == ADAPTER.heuristic(s, ADAPTER.info_for("sm_90", 132))
     # the heuristic is what the op runs without a row: gemv where the pairs are at most half the
     # experts, else decode for 16-bit types where it fits
     gemv = few and 2 * int(tokens) * 8 <= int(experts)
@@ -99,6 +99,22 @@ def test_a_decode_row_is_taken_where_decode_can_run(fresh, monkeypatch):
     # the nearest row for 3 tokens, but 36 pairs: the row's block_m, the grouped variant
     assert choose_config("sm_90", 132, 3, 7168, 256, 256, 12, torch.bfloat16) == ("grouped", 16)
     assert choose_block_m("sm_90", 132, 3, 7168, 256, 256, 12, torch.bfloat16) == 16
+
+
+def test_a_gemv_row_too_small_for_the_call_falls_back_with_the_default_block_m(fresh, monkeypatch):
+    """A gemv row's block_m only names its module (8): where the nearest row is gemv but the call has more
+    pairs than gemv takes, the grouped variant runs with default_block_m, not that 8."""
+    shape = ADAPTER.parse_shape({**RAW, "topk": "12", "tokens": "2"})
+    row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, Candidate.of("gemv", block_m=8),
+                        "ok", 90.0, 10**8, 0.0, "", {"date": "2026-11-23", "commit": "abc"})
+    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
+    tuning_db.reset()
+    assert choose_config("sm_90", 132, 2, 7168, 256, 256, 12, torch.bfloat16) == ("gemv", 8)  # exact: 24 pairs
+    # 512 tokens (6144 pairs) find the same row, nearest: too many pairs for gemv
+    assert choose_config("sm_90", 132, 512, 7168, 256, 256, 12, torch.bfloat16) == (
+        "grouped", default_block_m(512, 12, 256))
+    assert default_block_m(512, 12, 256) == 64
 
 
 @pytest.mark.gpu

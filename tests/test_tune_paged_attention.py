@@ -59,7 +59,7 @@ def test_paged_attention_candidates_are_distinct_launches(batch, context):
     shape = pa_shape(batch, context)
     pr = ADAPTER.candidates(shape, info)
     launches = {c.name: launch for c, launch, _ in ADAPTER._launches(shape, info)}
-    assert pr.kept[0] == ADAPTER.heuristic(shape)
+    assert pr.kept[0] == ADAPTER.heuristic(shape, info)
     kept = [launches[c.name] for c in pr.kept]
     assert len(set(kept)) == len(kept)  # no launch timed twice
     assert all(launches[a] == launches[b] and (b in {c.name for c in pr.kept} or b in pr.dominated)
@@ -157,3 +157,15 @@ def test_batches_past_a_variants_limit_and_the_largest_bucket():
     assert ADAPTER.nbytes(big) == ADAPTER.nbytes(pa_shape(65535, 256))
     with pytest.raises(ValueError, match="batch must be at most 65536"):
         pa_shape(65537, 256)
+
+
+def test_the_default_on_cdna_at_head_size_256_is_the_op_s():
+    """The tuner's default (its 2 % margin, the report's "gain vs the default") is what the op runs untuned:
+    v3 at head size 256 on CDNA, where the matrix-core kernels do not fit 64 KB of LDS; v16 elsewhere."""
+    from hipkern.ops import paged_attention as pa
+    for arch in ("gfx942", "sm_90"):
+        info = ADAPTER.info_for(arch, 304 if arch == "gfx942" else 132)
+        for head in (128, 256):
+            shape = {**pa_shape(8, 2048), "head_size": head}
+            assert ADAPTER.heuristic(shape, info).name == pa.heuristic_variant(head, arch)
+    assert pa.heuristic_variant(256, "gfx942") == "v3" and pa.heuristic_variant(256, "sm_90") == "v16"

@@ -123,8 +123,8 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
     bm = choice.params.get("block_m") or default_block_m(num_tokens, topk, num_experts, dtype)
     if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
         return VARIANT, bm
-    if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):
-        return VARIANT, bm
+    if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):  # a gemv row's block_m only
+        return VARIANT, default_block_m(num_tokens, topk, num_experts, dtype)  # names its module
     return choice.variant, bm
 
 

@@ -7,7 +7,7 @@ An op adapter (``hipkern/tune/<op>.py``, or any object named as ``module:attribu
   ValueError naming the column when a value is bad; ``describe(shape)``: a short label;
 * ``device_info(device) -> dict`` (JSON-able: at least ``arch`` and ``cu_count``) and
   ``info_for(arch, cu_count)``, the same facts without a GPU (dry runs, reports);
-* ``heuristic(shape) -> Candidate``: what the op runs untuned;
+* ``heuristic(shape, info) -> Candidate``: what the op runs untuned on that GPU;
 * ``candidates(shape, info) -> Pruned``: every applicable candidate, the heuristic first, candidates
   with the same launch as an earlier one (``same``) and dominated ones (``dominated``) removed;
 * ``estimate_s(shape, candidates, info)``: GPU seconds to tune the shape; ``order(shape)``: sort key

@@ -113,11 +113,12 @@ class PagedAttentionTuner:
     device_info = staticmethod(gpu_info)
     info_for = staticmethod(arch_info)
 
-    def heuristic(self, s) -> Candidate:
-        return Candidate(pa.HEURISTIC_VARIANT)
+    def heuristic(self, s, info) -> Candidate:  # the op's default: v3 for head size 256 on CDNA
+        return Candidate(pa.heuristic_variant(s["head_size"], info["arch"]))
 
     def _launches(self, s, info):
-        names = [pa.HEURISTIC_VARIANT] + [v for v in pa.VARIANTS if v != pa.HEURISTIC_VARIANT]
+        first = self.heuristic(s, info).name
+        names = [first] + [v for v in pa.VARIANTS if v != first]
         max_tokens = math.ceil(s["context"] / s["block_size"]) * s["block_size"]
         for v in names:
             var = pa.VARIANTS[v]

@@ -24,10 +24,11 @@ def report_rows(adapter, out) -> list:
     rows = []
     for r in db:
         key, shape = row_key(schema, r), adapter.parse_shape(r)
-        pruned = adapter.candidates(shape, adapter.info_for(r["arch"], int(r["cu_count"])))
+        info = adapter.info_for(r["arch"], int(r["cu_count"]))
+        pruned = adapter.candidates(shape, info)
         same, offered = pruned.same, {c.name for c in pruned.kept} | set(pruned.same) | set(pruned.dominated)
         timed = lambda name: ok.get((key, same.get(name, name)))  # noqa: E731 (a launch timed under its first name)
-        us, default = float(r["us"]), adapter.heuristic(shape).name
+        us, default = float(r["us"]), adapter.heuristic(shape, info).name
         d_us = timed(default)
         rows.append({"shape": adapter.describe(shape), "chosen": candidate_of(schema, r).name, "us": us,
                      "tbps": float(r["tbps"]) if r.get("tbps") else math.nan,

@@ -210,7 +210,8 @@ def device_info(adapter, gpus, device=0) -> dict:
 
 def default_of(adapter):
     """A database or candidates row -> the name of its shape's heuristic default candidate."""
-    return lambda row: adapter.heuristic(adapter.parse_shape(row)).name
+    return lambda row: adapter.heuristic(adapter.parse_shape(row),
+                                         adapter.info_for(row["arch"], int(row["cu_count"]))).name
 
 
 def tune(adapter, shapes, out, *, spec=None, gpus=None, device=0, skip_done=False, time_limit=None, progress=True,
