@@ -68,8 +68,8 @@ def _check(x, bias, k, g, tg, w, ids, scoring="sigmoid", renormalize=True, scale
     assert checkAllclose(w[exact], ref_w[exact], rtol=RTOL, atol=ATOL) == 0
 
 
-def _topks(e, g, tg):
-    return sorted({k for k in (1, 2, 8, 9) if k <= min(16, tg * (e // g))})
+def _topks(e, g, tg):  # 12 and 16: several slots a lane on random data (not only on all-ties rows)
+    return sorted({k for k in (1, 2, 8, 9, 12, 16) if k <= min(16, tg * (e // g))})
 
 
 @pytest.mark.gpu
