@@ -659,3 +659,35 @@ def test_direct_op_calls_are_validated_before_any_launch():
     torch.ops.hipkern.paged_attention_decode(q, k, v, bt, cl, scale, "NHD", "v4", out, no_lse)  # an alias runs
     ref, _ = paged_attention_ref(q, k, v, bt, cl, scale=scale, kv_layout="NHD")
     assert checkAllclose(out, ref, msg="direct call ", **TOL[q.dtype]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", ["block", "head", "token"])
+def test_any_stride_of_a_one_element_dimension(dim):
+    """torch allows any stride on a dimension of one element (here 2^40 elements, which the tensor maps
+    refuse): it is read as 0, so every variant runs such a cache (the tensor-map ones had raised)."""
+    nb, bs, hkv = {"block": (1, 16, 2), "head": (4, 16, 1), "token": (40, 1, 2)}[dim]
+    d, group = 128, 4
+    base = torch.randn(2, nb * bs * hkv * d, device="cuda").to(torch.bfloat16)
+    strides = [bs * hkv * d, hkv * d, d, 1]
+    strides[{"block": 0, "token": 1, "head": 2}[dim]] = 2**40
+    k = torch.as_strided(base[0], (nb, bs, hkv, d), strides)
+    v = torch.as_strided(base[1], (nb, bs, hkv, d), strides)
+    n = min(nb * bs, 37)
+    bt = torch.arange(nb, dtype=torch.int32, device="cuda").flip(0).view(1, nb).repeat(2, 1).contiguous()
+    cl = torch.tensor([n, max(1, n // 2)], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, hkv * group, d, device="cuda").to(torch.bfloat16)
+    for variant in VARIANT_NAMES:
+        run_and_check((q, k, v, bt, cl), variant=variant, msg=f"{variant} {dim} ")
+
+
+@pytest.mark.gpu
+def test_a_direct_call_s_lse_must_not_overlap():
+    q, k, v, bt, cl = make_case([40, 70])
+    out = poison(torch.empty_like(q))
+    buf = torch.empty(q.numel() * 2, dtype=torch.float32, device="cuda")
+    for lse, name in ((out.view(-1).view(torch.float32)[: 16].view(2, 8), "out"),
+                      (q.view(-1).view(torch.float32)[: 16].view(2, 8), "query")):
+        with pytest.raises(ValueError, match=f"lse must not overlap {name}"):
+            torch.ops.hipkern.paged_attention_decode(q, k, v, bt, cl, 0.1, "NHD", "", out, lse)
+    torch.ops.hipkern.paged_attention_decode(q, k, v, bt, cl, 0.1, "NHD", "", out, buf[:16].view(2, 8))

@@ -283,11 +283,15 @@ def _sm_count(device_index: int) -> int:
 
 
 def _cache_dims(kv_layout, cache):
+    """(blocks, block size, KV heads, head size, block / token / head strides). A dimension of one element
+    has no stride that matters, and torch allows any there (2^40 elements, say, which the tensor maps
+    refuse): it reads as 0, as an expanded dimension's."""
+    st = [0 if n == 1 else x for n, x in zip(cache.shape, cache.stride())]
     if kv_layout == "NHD":
         nb, bs, hkv, d = cache.shape
-        return nb, bs, hkv, d, cache.stride(0), cache.stride(1), cache.stride(2)
+        return nb, bs, hkv, d, st[0], st[1], st[2]
     nb, hkv, bs, d = cache.shape
-    return nb, bs, hkv, d, cache.stride(0), cache.stride(2), cache.stride(1)
+    return nb, bs, hkv, d, st[0], st[2], st[1]
 
 
 def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
@@ -373,9 +377,13 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
             raise ValueError(f"{name} must start at a 16-byte aligned address")
     if out.data_ptr() % (4 * out.element_size()):  # written 4 elements at a time
         raise ValueError(f"out must start at a {4 * out.element_size()}-byte aligned address")
-    # Blocks write their heads' output rows while others still read: out may be query itself, nothing else.
+    # Blocks write their heads' output rows while others still read: out may be query itself, nothing else;
+    # lse (when asked for) overlaps nothing.
     check_no_overlap("out", out, "query", query=query, key_cache=key_cache, value_cache=value_cache,
                      block_tables=block_tables, context_lens=context_lens)
+    if lse.numel():
+        check_no_overlap("lse", lse, query=query, key_cache=key_cache, value_cache=value_cache,
+                         block_tables=block_tables, context_lens=context_lens, out=out)
     nb = min(nb, 2**31 - 1)  # block ids are int32: blocks past that cannot be named (an expanded cache)
     dev = query.get_device()
     mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
