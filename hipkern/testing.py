@@ -32,20 +32,31 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
     """Compare `a` (tested) with `b` (reference): |a - b| <= atol + rtol * |b| elementwise.
 
     Returns the share of mismatched elements (0.0 when all match). It passes when that share is at
-    most `tol_err_ratio`, except that any non-finite value of `a` where `b` is finite fails outright,
-    and then 1.0 is returned whatever the share, so ``assert checkAllclose(...) <= tol`` catches it.
+    most `tol_err_ratio`, except that any mismatch where either side is not finite (a NaN or an infinity
+    of `a` against a finite `b`, -inf against +inf, ...) fails outright, and then 1.0 is returned
+    whatever the share, so ``assert checkAllclose(...) <= tol`` catches it. Complex values compare their
+    real and imaginary parts; two integer tensors compare exactly in int64 (float64 would round values
+    past 2^53).
     """
     if a.shape != b.shape:
         raise ValueError(f"checkAllclose: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    x = a.detach().to(torch.float64)
-    y = b.detach().to(torch.float64)
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():
+        a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
+    x = a.to(torch.float64)
+    y = b.to(torch.float64)
     head = f"{msg}[checkAllclose atol={_fmt(atol)} rtol={_fmt(rtol)}"
     if x.numel() == 0:
         if printLog:
             print(f"{head} passed~]")
         return 0.0
-    close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
-    bad_nonfinite = int((~torch.isfinite(x) & torch.isfinite(y)).sum())
+    integers = not (a.is_floating_point() or b.is_floating_point() or a.is_complex())
+    if integers:  # |a - b| exactly (in int64), against the tolerance in float64
+        diff = (a.to(torch.int64) - b.to(torch.int64)).abs().to(torch.float64)
+        close = diff <= atol + rtol * y.abs()
+    else:
+        close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+    bad_nonfinite = int((~close & ~(torch.isfinite(x) & torch.isfinite(y))).sum())
     n_bad = int((~close).sum())
     share = n_bad / x.numel()
     if n_bad == 0:
@@ -57,7 +68,7 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
     failed = bad_nonfinite > 0 or share > tol_err_ratio
     if printLog:
         word = "failed!" if failed else "warning!"
-        extra = f", {bad_nonfinite} non-finite where the reference is finite" if bad_nonfinite else ""
+        extra = f", {bad_nonfinite} of them non-finite (NaN or inf on either side)" if bad_nonfinite else ""
         print(f"{head} {word}]\n    -->max abs delta:{float(delta.max()):.6g}, delta details: "
               f"{share:.2%} ({n_bad} of {x.numel()}) elements{extra}")
     return 1.0 if bad_nonfinite else share
@@ -85,10 +96,18 @@ def poison_next_alloc(device, *specs) -> None:
     del junk
 
 
+# Caches past L2 that hold a kernel's inputs between calls: MI300's 256 MB Infinity Cache (gfx942's
+# L2 is 4 MB an XCD). Inputs rotated over only 2x L2 would stay in it there.
+_LAST_LEVEL_BYTES = {"gfx942": 256 << 20}
+
+
 def l2_bytes(device=None) -> int:
+    """The bytes of cache that inputs must be rotated past (2x this) or flushed from to be read from
+    memory: L2, plus a last-level cache where the GPU has one (_LAST_LEVEL_BYTES)."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
-        return int(getattr(props, "L2_cache_size", 0) or 64 << 20)
+        arch = str(getattr(props, "gcnArchName", "") or "").split(":")[0]
+        return int(getattr(props, "L2_cache_size", 0) or 64 << 20) + _LAST_LEVEL_BYTES.get(arch, 0)
     return 64 << 20
 
 

@@ -63,6 +63,47 @@ def test_nonfinite_where_reference_finite_fails(capsys, bad):
     assert "failed!" in out and "non-finite" in out
 
 
+@pytest.mark.parametrize("a_bad, b_bad", [(-math.inf, math.inf), (math.nan, math.inf), (math.inf, math.nan)])
+def test_nonfinite_mismatch_on_either_side_fails(capsys, a_bad, b_bad):
+    b = torch.randn(100)
+    a = b.clone()
+    a[5], b[5] = a_bad, b_bad
+    res, out = _check(capsys, a, b, tol_err_ratio=0.5)
+    assert res == 1.0 and "failed!" in out
+
+
+def test_complex_compares_both_parts(capsys):
+    b = torch.tensor([1 + 0j, 2 - 1j], dtype=torch.complex64)
+    res, out = _check(capsys, torch.tensor([1 + 5j, 2 - 1j], dtype=torch.complex64), b, tol_err_ratio=0.9)
+    assert res == 0.25 and "warning!" in out  # one of four parts differs
+    assert _check(capsys, b.clone(), b)[0] == 0.0
+
+
+def test_integers_past_2_pow_53_compare_exactly(capsys):
+    b = torch.tensor([2**60, 7], dtype=torch.int64)
+    assert _check(capsys, torch.tensor([2**60 + 1, 7]), b, atol=0, rtol=0)[0] == 0.5  # float64 rounds them equal
+    assert _check(capsys, torch.tensor([2**60 + 1, 7]), b, atol=1, rtol=0)[0] == 0.0
+    assert _check(capsys, b.clone(), b, atol=0, rtol=0)[0] == 0.0
+    assert _check(capsys, torch.tensor([5, 7], dtype=torch.int32), torch.tensor([5, 8], dtype=torch.int32),
+                  atol=0, rtol=0)[0] == 0.5
+
+
+def test_inputs_are_rotated_past_the_last_level_cache(monkeypatch):
+    """On gfx942 (MI300: 4 MB of L2 an XCD, a 256 MB Infinity Cache behind it) run_perftest's rotation
+    target covers the Infinity Cache too; elsewhere it is L2."""
+    from hipkern import testing
+
+    class Props:
+        def __init__(self, arch, l2):
+            self.gcnArchName, self.L2_cache_size = arch, l2
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for arch, l2, want in (("gfx942:sramecc+:xnack-", 4 << 20, (4 << 20) + (256 << 20)), ("", 50 << 20, 50 << 20)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=Props(arch, l2): p)
+        assert testing.l2_bytes() == want
+
+
 def _nan_in_both():
     b = torch.randn(50)
     b[3] = math.nan
