@@ -46,15 +46,20 @@ def test_moe_skew_against_its_uniform_counterpart():
             _moe("bfloat16", 8, 7168, 256, 256, 8, "skewed", 40.0, 88.0),  # 2.2: 0.815 of uniform
             _moe("bfloat16", 2, 7168, 256, 256, 8, "uniform", 100.0, 250.0),
             _moe("bfloat16", 2, 7168, 256, 256, 8, "skewed", 40.0, 92.0),  # 2.3: 0.92
+            _moe("bfloat16", 16, 7168, 256, 256, 8, "uniform", 100.0, 250.0),
+            _moe("bfloat16", 16, 7168, 256, 256, 8, "skewed", 40.0, 90.5),  # 0.905: 10.5 % more time per byte
+            # the weights alone count: 2.3 TB/s with the hidden states, 2.2 (0.88) without
+            _moe("bfloat16", 32, 7168, 256, 256, 8, "uniform", 100.0, 250.0),
+            _moe("bfloat16", 32, 7168, 256, 256, 8, "skewed", 40.0, 92.0, weight_mb=88.0),
             _moe("bfloat16", 4, 7168, 256, 256, 8, "skewed", 10.0, 88.0)]  # no uniform row: no skew bar
     lines = bars.moe(rows)
-    assert _verdicts(lines, "skewed") == ["NOT met", "met"]
-    assert "0.815 of uniform" in lines[1]
+    assert _verdicts(lines, "skewed") == ["NOT met", "met", "NOT met", "NOT met"]
+    assert "0.815 of uniform" in lines[1] and "0.905 of uniform" in lines[5] and "0.880 of uniform" in lines[7]
 
 
 def test_moe_uniform_bars_and_the_one_token_bar():
-    rows = [_moe("bfloat16", 32, 8192, 6144, 8, 2, "uniform", 1000.0, 2790.0, weight_mb=2700.0),  # > 1 GB: 2.8
-            _moe("bfloat16", 32, 7168, 256, 256, 8, "uniform", 1000.0, 2450.0, weight_mb=900.0),  # <= 1 GB: 2.4
+    rows = [_moe("bfloat16", 32, 8192, 6144, 8, 2, "uniform", 1000.0, 2810.0, weight_mb=2790.0),  # > 1 GB: 2.8
+            _moe("bfloat16", 32, 7168, 256, 256, 8, "uniform", 375.0, 910.0, weight_mb=900.0),  # <= 1 GB: 2.4
             _moe("bfloat16", 1, 7168, 256, 256, 8, "uniform", 39.0, 88.0),  # 2.26 TB/s, 39 us
             _moe("float32", 128, 8192, 6144, 8, 2, "uniform", 2000.0, 2400.0),  # 1.3 x 1.6 ms = 2080 us
             _moe("float32", 128, 8192, 16384, 8, 2, "uniform", 5700.0, 6400.0),  # 1.3 x 4.3 ms = 5590 us

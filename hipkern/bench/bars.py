@@ -12,7 +12,9 @@ Fused MoE (issue 5), bf16 and fp32 as benchmarked: >= 2.4 TB/s on every uniform 
 where the activated weights exceed 1 GB (bf16); the bf16 1-token shape (D 7168, I 256, E 256, top-8)
 within its own bar of 40 us (the general 2.4 TB/s would ask ~36.7 us of it: both lines are printed);
 fp32's Mixtral-like 128-token shapes within 1.3x of the issue's floors (1.6 / 4.3 ms); each skewed case
-within 10 % of its uniform counterpart's TB/s.
+within 10 % of its uniform counterpart per byte moved: its time per byte at most 1.1x uniform's, i.e. its
+TB/s at least 1 / 1.1 = 0.909 of uniform's. The MoE rates here are over the activated experts' weights
+alone, as the issue counts them (the benchmark's TBps column adds the hidden states in and out).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from . import COPY_BW_TBPS
 PA_SMALL_US = 10.0
 MOE_FP32_FLOORS_US = {6144: 1600.0, 16384: 4300.0}  # the issue's fp32 weight-streaming floors, 128 tokens
 MOE_ONE_TOKEN_US = 40.0  # bf16, 1 token, D 7168, I 256, E 256, top-8
+MOE_SKEW = 1 / 1.1  # skewed TB/s over uniform's: time per byte within 10 %
 
 
 def _line(name: str, value: str, bar: str, ok: bool, bar_us: float | None = None,
@@ -68,7 +71,8 @@ def moe(rows: list[dict]) -> list[str]:
     for r in rows:
         name = (f"{r['dtype']} {r['tokens']} tokens {r['model_dim']}/{r['inter_dim']} E {r['E']} top-{r['topk']} "
                 f"{r['routing']}")
-        mb = r["TBps"] * r["custom_us"]  # the row's bytes, MB
+        mb = r["weight_MB"]  # the activated experts' weights, MB (the issue's bytes)
+        tbps = mb / r["custom_us"]
         floor = r.get("floor_us")
         mixtral_like = r["E"] == 8 and r["model_dim"] == 8192
         if r["routing"] == "uniform" and (r["E"] == 256 or mixtral_like):  # the reference log's shapes
@@ -77,14 +81,15 @@ def moe(rows: list[dict]) -> list[str]:
                 out.append(_line(name, f"{r['custom_us']:.1f} us", f"<= {lim:.0f} us (1.3x the issue's floor)",
                                  r["custom_us"] <= lim, lim, floor))
             else:
-                bar = 2.8 if r["dtype"] != "float32" and r["weight_MB"] > 1000 else 2.4
-                out.append(_line(name, f"{r['TBps']:.3f} TB/s", f">= {bar} TB/s", r["TBps"] >= bar, mb / bar, floor))
+                bar = 2.8 if r["dtype"] != "float32" and mb > 1000 else 2.4
+                out.append(_line(name, f"{tbps:.3f} TB/s over the weights", f">= {bar} TB/s", tbps >= bar, mb / bar,
+                                 floor))
             if r["dtype"] == "bfloat16" and r["tokens"] == 1 and r["E"] == 256:
                 out.append(_line(name, f"{r['custom_us']:.1f} us", f"<= {MOE_ONE_TOKEN_US:.0f} us (its own)",
                                  r["custom_us"] <= MOE_ONE_TOKEN_US, MOE_ONE_TOKEN_US, floor))
         elif r["routing"] == "skewed" and _moe_key(r) in uniform:
             u = uniform[_moe_key(r)]
-            bar = 0.9 * u["TBps"]
-            out.append(_line(name, f"{r['TBps'] / u['TBps']:.3f} of uniform's TB/s ({r['custom_us']:.1f} us)",
-                             f">= 0.9 ({bar:.3f} TB/s)", r["TBps"] >= bar, mb / bar, floor))
+            bar = MOE_SKEW * u["weight_MB"] / u["custom_us"]
+            out.append(_line(name, f"{tbps / bar * MOE_SKEW:.3f} of uniform's TB/s ({r['custom_us']:.1f} us)",
+                             f">= 1/1.1 = {MOE_SKEW:.3f} ({bar:.3f} TB/s)", tbps >= bar, mb / bar, floor))
     return out
