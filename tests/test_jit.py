@@ -148,6 +148,56 @@ def test_compile_error_names_the_log(arch, jit_dir, tiny_root, tmp_path):
     assert not list((jit_dir / arch).glob(".tmp-*"))  # the failed build's temp dir is gone
 
 
+def test_compile_error_shows_the_first_errors(jit_dir, tiny_root, tmp_path):
+    """With many errors the message keeps the first ones (the cause) and the end, not only the last lines."""
+    toolchain_or_skip("sm_90", tmp_path)
+    (tiny_root / "tiny" / "tiny.hip").write_text("".join(f"int f{i}() {{ return undefined_thing_{i}; }}\n"
+                                                         for i in range(40)))
+    with pytest.raises(JitError) as err:
+        jit.build(tiny_spec(tiny_root), "sm_90")
+    assert "undefined_thing_0" in str(err.value) and "undefined_thing_39" in str(err.value)
+
+
+def test_sources_changed_during_a_build_are_not_cached_under_the_old_key(jit_dir, tiny_root, tmp_path,
+                                                                         monkeypatch):
+    """The key hashes the sources before the compiler reads them: an edit in between (a checkout, an
+    editor's save) must not leave the new text's module under the old text's key."""
+    tc = toolchain_or_skip("sm_90", tmp_path)
+    src = tiny_root / "tiny" / "tiny.hip"
+    before = src.read_text()
+    run = subprocess.run
+
+    def edit_then_compile(cmd, **kw):
+        src.write_text(before + "\n// edited during the build\n")
+        return run(cmd, **kw)
+
+    monkeypatch.setattr(builder.subprocess, "run", edit_then_compile)
+    with pytest.raises(JitError, match="its sources changed while it was built"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+    monkeypatch.setattr(builder.subprocess, "run", run)
+    assert not list((jit_dir / "sm_90").glob("tiny-*/tiny.so")) and not list((jit_dir / "sm_90").glob(".tmp-*"))
+    res = jit.build(tiny_spec(tiny_root), "sm_90")  # the edited text, under its own key
+    assert res.built and res.path.parent.name == f"tiny-{jit.module_key(tiny_spec(tiny_root), 'sm_90', tc)}"
+
+
+def test_the_compiler_version_is_asked_of_the_compiler_not_remembered_by_its_file(tmp_path, monkeypatch):
+    """A wrapper script (e.g. /usr/local/bin/nvcc exec'ing a toolkit's nvcc) stays the same file when the
+    toolkit behind it is updated: the version (part of every module's key) comes from running it, once a
+    process."""
+    from hipkern.jit import toolchain
+
+    said = tmp_path / "version.txt"
+    said.write_text("Cuda compilation tools, release 13.0, V13.0.88")
+    wrapper = tmp_path / "nvcc"
+    wrapper.write_text(f"#!/bin/sh\ncat {said}\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(toolchain, "_versions", {})
+    assert toolchain._version(str(wrapper)).endswith("V13.0.88")
+    said.write_text("Cuda compilation tools, release 13.0, V13.0.99")  # the toolkit behind it updated
+    monkeypatch.setattr(toolchain, "_versions", {})  # a new process
+    assert toolchain._version(str(wrapper)).endswith("V13.0.99")
+
+
 @pytest.mark.parametrize("var,arch", [("HIPKERN_NVCC", "sm_90"), ("HIPKERN_HIP_CLANG", "gfx942")])
 def test_missing_compiler_is_a_clear_error(var, arch, jit_dir, tiny_root, monkeypatch):
     monkeypatch.setenv(var, "/nonexistent/compiler")

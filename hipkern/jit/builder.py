@@ -89,20 +89,20 @@ def module_key(spec: ModuleSpec, arch: str, toolchain) -> str:
     return h.hexdigest()[:20]
 
 
-def _compile(spec: ModuleSpec, arch: str, toolchain, final_dir: Path) -> float:
+def _compile(spec: ModuleSpec, arch: str, toolchain, final_dir: Path, key: str) -> float:
     tmp = final_dir.with_name(f".tmp-{final_dir.name}-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     sources = [spec.root / "common" / "module_api.hip"] + [spec.root / s for s in spec.sources]
     cmd = toolchain.command(arch, sources, str(tmp / f"{spec.name}.so"), [spec.include_dir], dict(spec.defines))
     try:
-        return _compile_in(spec, arch, toolchain, cmd, tmp, final_dir)
+        return _compile_in(spec, arch, toolchain, cmd, tmp, final_dir, key)
     except BaseException:  # a failed or interrupted build leaves nothing behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_dir: Path) -> float:
+def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_dir: Path, key: str) -> float:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -113,9 +113,16 @@ def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_di
     if proc.returncode != 0:
         failed = final_dir.with_name(f"{final_dir.name}.failed.log")
         failed.write_text(log_text)
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        # The first errors (the cause; later ones often follow from it) and the end (the summary).
+        shown = lines if len(lines) <= 40 else lines[:25] + [f"... ({len(lines) - 40} lines) ..."] + lines[-15:]
         raise JitError(f"building module {spec.name} for {arch} failed (exit {proc.returncode}); "
-                       f"full log: {failed}\n{tail}")
+                       f"full log: {failed}\n" + "\n".join(shown))
+    # The key hashed the sources before the compiler read them: had one changed meanwhile (a checkout, an
+    # editor's save), this module could be of the new text under the old text's key.
+    if module_key(spec, arch, toolchain) != key:
+        raise JitError(f"building module {spec.name} for {arch}: its sources changed while it was built; the "
+                       f"build was discarded (call again to build the current sources)")
     (tmp / "build.log").write_text(log_text)
     resources = parse_resources(toolchain.platform, log_text)
     (tmp / "resources.json").write_text(json.dumps({"seconds": seconds, "kernels": resources}, indent=1))
@@ -146,7 +153,7 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
     with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"{spec.name} for {arch}"):
         if want_rebuild or not so.is_file():  # another process may have built it while we waited
             log.info("building module %s for %s", spec.name, arch)
-            seconds = _compile(spec, arch, toolchain, final_dir)
+            seconds = _compile(spec, arch, toolchain, final_dir, key)
             _rebuilt.add((spec.name, arch))
     built = seconds is not None
     return BuildResult(spec, arch, so, built, seconds if built else time.perf_counter() - t0, _resources(final_dir))

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 from ._lock import file_lock
@@ -59,26 +57,23 @@ class Toolchain:
         return cmd + ["-lamdhip64"]
 
 
-def _version(compiler: str, cache_dir: Path) -> str:
-    """`compiler --version`, memoised on disk by the binary's path, size and mtime."""
-    st = os.stat(compiler)
-    key = f"{os.path.realpath(compiler)}|{st.st_size}|{st.st_mtime_ns}"
-    memo = cache_dir / "compiler-versions.json"
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
+_versions: dict = {}  # realpath -> `--version`, asked once per process
+
+
+def _version(compiler: str) -> str:
+    """`compiler --version`, asked of the compiler once per process. (A memo on disk keyed by the file's
+    size and time missed upgrades behind a wrapper script, e.g. /usr/local/bin/nvcc exec'ing a toolkit's
+    nvcc updated in place: modules built by the old compiler kept their keys.)"""
+    key = os.path.realpath(compiler)
+    known = _versions.get(key)
+    if known is not None:
+        return known
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
     except OSError as e:
         raise JitError(f"compiler {compiler} does not run: {e}") from e
     version = " | ".join(line.strip() for line in out.stdout.splitlines() if line.strip())[:400]
-    known[key] = version
-    tmp = memo.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(known))
-    os.replace(tmp, memo)
+    _versions[key] = version
     return version
 
 
@@ -175,12 +170,12 @@ def _fingerprint(paths) -> str:
 def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
     if platform_of(arch) == "cuda":
         nvcc = _find_nvcc()
-        return Toolchain("cuda", nvcc, _version(nvcc, cache_dir))
+        return Toolchain("cuda", nvcc, _version(nvcc))
     clang, rocm = _find_hip_clang()
     libs = _device_libs(rocm, arch, cache_dir)
     # The HIP headers and device libraries are part of what a module is built from: in the key.
     headers = [p for p in (Path(rocm) / "include" / "hip" / "hip_version.h",) if p.is_file()]
-    version = f"{_version(clang, cache_dir)} | hip {_fingerprint(headers)} | libs {_fingerprint(Path(libs).glob('*.bc'))}"
+    version = f"{_version(clang)} | hip {_fingerprint(headers)} | libs {_fingerprint(Path(libs).glob('*.bc'))}"
     return Toolchain("rocm", clang, version, rocm_path=rocm, device_lib_dir=libs)
 
 
