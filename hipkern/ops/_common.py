@@ -52,7 +52,7 @@ def _byte_span(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
 
 
-def check_no_overlap(name: str, out: torch.Tensor, alias_ok: str | None = None, **inputs) -> None:
+def check_no_overlap(name: str, out: torch.Tensor, alias_ok: str | None = None, /, **inputs) -> None:
     """Raise ValueError unless `out` shares no memory with any of `inputs`; the input named `alias_ok`
     may also be exactly `out` (same address and strides: an in-place call). Addresses only, so it runs
     at launch, never while tracing."""
