@@ -136,6 +136,45 @@ def test_key_covers_sources_headers_and_defines(jit_dir, tiny_root, tmp_path):
     assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) == changed
 
 
+def test_key_covers_headers_below_the_sources_and_not_the_cache_s_place(jit_dir, tiny_root, tmp_path):
+    tc = toolchain_or_skip("sm_90", tmp_path)
+    key = jit.module_key(tiny_spec(tiny_root), "sm_90", tc)
+    (tiny_root / "tiny" / "detail").mkdir()
+    (tiny_root / "tiny" / "detail" / "more.cuh").write_text("// a header below the module's sources\n")
+    assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) != key
+    # gfx942 (derived device libraries under the cache directory): a cache moved elsewhere keeps its keys;
+    # the libraries' contents are in the toolchain's version
+    from hipkern.jit.toolchain import Toolchain
+    one = Toolchain("rocm", "/opt/clang", "v | libs abc", rocm_path="/usr", device_lib_dir="/cache/a/libs-x")
+    two = Toolchain("rocm", "/opt/clang", "v | libs abc", rocm_path="/usr", device_lib_dir="/elsewhere/libs-x")
+    assert jit.module_key(tiny_spec(tiny_root), "gfx942", one) == jit.module_key(tiny_spec(tiny_root), "gfx942", two)
+
+
+def test_the_host_compiler_is_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch):
+    """nvcc builds a module's host code with the g++ on PATH: another g++ is another module."""
+    from hipkern.jit import toolchain
+
+    toolchain_or_skip("sm_90", tmp_path)
+    base = toolchain.find_toolchain("sm_90", tmp_path).version
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "g++").write_text("#!/bin/sh\necho 'g++ (Other) 99.1'\n")
+    (fake / "g++").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    other = toolchain.find_toolchain("sm_90", tmp_path).version
+    assert other != base and other.endswith("host g++ (Other) 99.1")
+
+
+def test_load_tells_modules_of_one_name_apart(jit_dir, tiny_root, tmp_path, monkeypatch):
+    """load() memoises by the whole spec: the same name with other defines is another module."""
+    toolchain_or_skip("sm_90", tmp_path)
+    monkeypatch.setattr(builder, "_loaded", {})
+    two = jit.load(tiny_spec(tiny_root, factor="2.0f"), "sm_90")
+    three = jit.load(tiny_spec(tiny_root, factor="3.0f"), "sm_90")
+    assert two is not three and two.path != three.path
+    assert jit.load(tiny_spec(tiny_root, factor="2.0f"), "sm_90") is two
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compile_error_names_the_log(arch, jit_dir, tiny_root, tmp_path):
     toolchain_or_skip(arch, tmp_path)

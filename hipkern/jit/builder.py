@@ -44,7 +44,7 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_int64, "
 
 _loaded: dict = {}
 _rebuilt: set = set()
-_load_locks: dict = {}  # (name, arch) -> lock: a build blocks only loads of the same module
+_load_locks: dict = {}  # (spec, arch) -> lock: a build blocks only loads of the same module
 _mutex = threading.Lock()
 
 
@@ -62,13 +62,15 @@ def _source_files(spec: ModuleSpec) -> list[Path]:
     files = sorted(p for p in spec.include_dir.rglob("*") if p.is_file())
     files.append(spec.root / "common" / "module_api.hip")
     files += [spec.root / s for s in spec.sources]
-    for d in sorted({(spec.root / s).parent for s in spec.sources}):  # headers beside the sources
-        files += sorted(p for p in d.glob("*.h") if p.is_file())
+    for d in sorted({(spec.root / s).parent for s in spec.sources}):  # headers beside the sources, and below
+        files += sorted(p for p in d.rglob("*") if p.is_file() and p.suffix in HEADER_SUFFIXES)
     for f in files:
         if not f.is_file():
             raise JitError(f"module {spec.name}: source {f} is missing")
     return files
 
+
+HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inc")
 
 # Environment variables the compilers read as flags or include paths: a module built under one of them is
 # another module (nvcc: NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS; clang: CPATH and the like, CCC_OVERRIDE_OPTIONS).
@@ -80,6 +82,8 @@ def module_key(spec: ModuleSpec, arch: str, toolchain) -> str:
     h = hashlib.sha256()
     for f in _source_files(spec):
         h.update(str(f.relative_to(spec.root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    if toolchain.device_lib_dir:  # under the cache directory; its libraries' contents are in the version
+        toolchain = dataclasses.replace(toolchain, device_lib_dir="LIBS")
     flags = toolchain.command(arch, ["SRC"], "OUT", ["INC"], dict(spec.defines))[1:]
     parts = [BUILDER_VERSION, arch, toolchain.version, flags]
     env = {k: os.environ[k] for k in COMPILER_ENV if os.environ.get(k)}
@@ -201,7 +205,7 @@ class Module:
 def load(spec: ModuleSpec, arch: str | None = None) -> Module:
     """The loaded module for `spec` on `arch`, built first if the cache lacks it. Memoised."""
     arch = check_arch(arch) if arch else current_arch()
-    key = (spec.name, arch)
+    key = (spec, arch)  # the whole spec: a name with other defines or sources is another module
     mod = _loaded.get(key)
     if mod is not None:
         return mod

@@ -170,7 +170,10 @@ def _fingerprint(paths) -> str:
 def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
     if platform_of(arch) == "cuda":
         nvcc = _find_nvcc()
-        return Toolchain("cuda", nvcc, _version(nvcc))
+        # nvcc compiles a module's host code with the host C++ compiler it finds on PATH (NVCC_CCBIN, in the
+        # key by itself, picks another): that compiler's version is part of what a module is built with.
+        host = shutil.which("g++") or shutil.which("gcc")
+        return Toolchain("cuda", nvcc, _version(nvcc) + (f" | host {_version(host)}" if host else ""))
     clang, rocm = _find_hip_clang()
     libs = _device_libs(rocm, arch, cache_dir)
     # The HIP headers and device libraries are part of what a module is built from: in the key.
