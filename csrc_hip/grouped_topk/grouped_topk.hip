@@ -18,6 +18,7 @@
 //   once; a round is one max over the row's lanes, the lane holding the winner pops it.
 // Weights re-read the chosen experts' logits (cached) and recompute s exactly as the key did.
 #include "hipkern/error.h"
+#include "hipkern/launch.h"
 #include "hipkern/reduce.h"
 #include "hipkern/sort.h"
 #include "hipkern/vec.h"
@@ -228,7 +229,7 @@ template <typename T, int VEC, int TPR, int CPL>
 int launch(Args a, hipStream_t stream) {
   constexpr int64_t kRows = kBlockThreads / TPR;
   const int64_t blocks = (a.num_tokens + kRows - 1) / kRows;
-  HK_REQUIRE(blocks <= 0x7fffffff);
+  HK_REQUIRE(blocks <= 0x7fffffff && threads_fit(blocks, kBlockThreads));
   int lpg = 1;
   while (lpg * 2 * a.num_groups <= TPR) lpg *= 2;
   a.lanes_per_group = lpg;

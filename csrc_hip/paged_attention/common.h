@@ -521,13 +521,10 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   const unsigned hgroups = (unsigned)((p.group + heads - 1) / heads);
   const unsigned items = p.split_target > 0 ? (unsigned)(num_seqs + p.split_target) : (unsigned)num_seqs;
   const dim3 grid((unsigned)num_kv_heads * hgroups, items, p.split_target > 0 ? 1u : (unsigned)p.num_partitions);
-#if defined(HK_PLATFORM_HIP)
-  // HIP does not run a grid of 2^32 threads or more correctly (every dimension within its limit, the total
-  // over it), and reports no error: refuse it (e.g. 1024 sequences x 16 KV heads x 1024 partitions of v3).
-  if ((int64_t)grid.x * grid.y * grid.z * threads >= (1ll << 32))
+  // e.g. v3 on CDNA at 1024 sequences x 16 KV heads x 1024 partitions
+  if (!threads_fit((int64_t)grid.x * grid.y * grid.z, threads))
     return set_invalid("paged_attention: this launch needs 2^32 threads or more, more than HIP runs (fewer "
                        "sequences or KV heads a call, or a shorter block table)", __FILE__, __LINE__);
-#endif
   bool clusters = false;
   if (cluster_cache != nullptr && p.split_target == 0)
     HK_TRY(use_clusters(kernel, raised, *cluster_cache, threads, smem_bytes, p.num_partitions,

@@ -10,6 +10,7 @@
 // equal logits the lower expert ranks first (a stable descending sort), so ids and weights equal
 // softmax-then-topk in float32 with that rule.
 #include "hipkern/error.h"
+#include "hipkern/launch.h"
 #include "hipkern/reduce.h"
 #include "hipkern/sort.h"
 #include "hipkern/vec.h"
@@ -125,7 +126,7 @@ template <typename T, int VEC, int TPR, int CPL>
 int launch(const Args& a, hipStream_t stream) {
   const int64_t rows_per_block = kBlockThreads / TPR;
   const int64_t blocks = (a.num_tokens + rows_per_block - 1) / rows_per_block;
-  HK_REQUIRE(blocks <= 0x7fffffff);
+  HK_REQUIRE(blocks <= 0x7fffffff && threads_fit(blocks, kBlockThreads));
   hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL>), dim3((unsigned)blocks),
                      dim3(kBlockThreads), 0, stream, a);
   HK_CHECK_LAUNCH("topk_softmax_kernel");

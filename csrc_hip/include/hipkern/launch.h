@@ -40,6 +40,18 @@ int allow_shared(Kernel kernel, unsigned long long& raised, int smem_bytes, int 
   return 0;
 }
 
+// Whether `blocks` blocks of `threads` threads make a grid the platform runs by its total: on HIP fewer than
+// 2^32 threads (HIP runs a larger grid, each dimension within its limit, wrongly and reports no error);
+// CUDA's limits are per dimension only.
+inline bool threads_fit(int64_t blocks, int threads) {
+#if defined(HK_PLATFORM_HIP)
+  return blocks * threads < (int64_t(1) << 32);
+#else
+  (void)blocks, (void)threads;
+  return true;
+#endif
+}
+
 // How many blocks of `kernel` fit on one SM/CU at once, into *out.
 template <typename Kernel>
 int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int smem_bytes, int device, int* out) {
