@@ -81,3 +81,18 @@ def test_bars_read_only_columns_the_benchmarks_write():
     row = {c: 1.0 for c in moe.COLUMNS}
     row.update(dtype="bfloat16", tokens=1, model_dim=7168, inter_dim=256, E=256, topk=8)
     assert len(bars.moe([dict(row, routing="uniform"), dict(row, routing="skewed")])) == 3
+
+
+def test_the_bytes_the_benchmarks_count():
+    """Paged attention: each sequence's K and V up to its own length, plus Q and O; fused MoE: an activated
+    expert's gate, up and down weights (3 x D x I elements), once."""
+    import torch
+
+    from hipkern.bench import moe, paged_attention
+
+    # 3 sequences of 1, 17 and 4096 tokens, 8 KV heads x 128, 64 query heads, bf16
+    assert paged_attention.bytes_moved([1, 17, 4096], 8, 64, 128, 2) == (4114 * 8 * 128 * 2 + 2 * 3 * 64 * 128) * 2
+    assert paged_attention.bytes_moved([2048] * 32, 1, 64, 256, 2) == 32 * 2048 * 256 * 2 * 2 + 2 * 32 * 64 * 256 * 2
+    case = moe.Case(0, torch.bfloat16, 1, 7168, 256, 256, 8, "uniform", "ref")
+    assert case.expert_bytes == 3 * 7168 * 256 * 2
+    assert moe.Case(0, torch.float32, 1, 8192, 6144, 8, 2, "skewed", "ref").expert_bytes == 3 * 8192 * 6144 * 4

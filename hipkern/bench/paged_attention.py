@@ -66,6 +66,12 @@ def sdpa_gather(q, k, v, bt, n, mask):
     return sdpa(q, kk, vv, mask)
 
 
+def bytes_moved(lens, num_kv_heads: int, num_q_heads: int, head_size: int, itemsize: int) -> int:
+    """What a decode call must move: each sequence's K and V rows up to its own length (each once, no
+    padding of its last block, nothing past it), plus the query and the output rows."""
+    return (sum(lens) * num_kv_heads * head_size * 2 + 2 * len(lens) * num_q_heads * head_size) * itemsize
+
+
 def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     q, k, v, bt, cl = make_inputs(lens, hq, hkv, d)
     n = max(lens)
@@ -95,7 +101,7 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     _, contig_us = run_perftest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 4), num_warmup=2)
     _, contig_graph_us = run_graphtest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 5))
     del kk, vv
-    nbytes = sum(lens) * hkv * d * 2 * q.element_size() + 2 * q.numel() * q.element_size()
+    nbytes = bytes_moved(lens, hkv, hq, d, q.element_size())
     us = custom_us
     tbps = nbytes / us / 1e6
     floor_us = read_floor_us(nbytes, num_iters=iters)
