@@ -8,10 +8,13 @@ __all__ = ["topk_softmax_ref", "paged_attention_ref", "grouped_topk_scores_ref",
 
 
 def topk_softmax_ref(gating_logits: torch.Tensor, topk: int, renormalize: bool = True):
-    """float32 softmax, then a stable descending sort (ties: lower expert index first)."""
-    probs = torch.softmax(gating_logits.float(), dim=-1)
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :topk], ids[:, :topk].to(torch.int32)
+    """float32 softmax; the experts ranked by logit, larger first (a stable sort: of equal logits the lower
+    index first), as the op documents: the softmax's order, except that distinct logits whose probabilities
+    round to the same float32 value (both underflow to 0, say) keep their logits' order."""
+    logits = gating_logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights, ids = probs.gather(-1, ids), ids.to(torch.int32)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -20,23 +23,30 @@ def topk_softmax_ref(gating_logits: torch.Tensor, topk: int, renormalize: bool =
 def paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale=None, kv_layout="NHD",
                         compute_dtype=torch.float32):
     """Per-sequence loop: gather each sequence's K/V from its blocks, attend in `compute_dtype`
-    (softmax and LSE in float32). Returns (out [S, Hq, D] in compute_dtype, lse float32 [S, Hq])."""
+    (softmax and LSE in float32). Returns (out [S, Hq, D] in compute_dtype, lse float32 [S, Hq]).
+    As the op documents bad metadata: a length is clamped to [0, what the block-table row addresses],
+    and a token whose block id lies outside [0, num_blocks) is left out (masked); a sequence with no
+    token left gets a zero row and an LSE of -inf."""
     import math
 
     if kv_layout == "HND":
         key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     num_seqs, num_q_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
     out = torch.zeros(num_seqs, num_q_heads, head_size, dtype=compute_dtype, device=query.device)
     lse = torch.full((num_seqs, num_q_heads), -math.inf, dtype=torch.float32, device=query.device)
+    most = block_tables.shape[1] * block_size
     for s, n in enumerate(context_lens.tolist()):
-        if n <= 0:
+        t = torch.arange(max(0, min(n, most)), device=query.device)
+        blocks = block_tables[s, t // block_size].long()
+        keep = (blocks >= 0) & (blocks < num_blocks)
+        t, blocks = t[keep], blocks[keep]
+        if t.numel() == 0:
             continue
-        blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:n].to(compute_dtype)
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:n].to(compute_dtype)
+        k = key_cache[blocks, t % block_size].to(compute_dtype)  # [tokens, KV heads, D]
+        v = value_cache[blocks, t % block_size].to(compute_dtype)
         q = query[s].to(compute_dtype).view(num_kv_heads, group, head_size)
         scores = torch.einsum("hgd,nhd->hgn", q, k).float() * scale
         lse[s] = torch.logsumexp(scores, dim=-1).reshape(num_q_heads)
@@ -117,7 +127,9 @@ def fused_moe_ref(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
                   compute_dtype=torch.float64, intermediate_dtype=None):
     """Per-expert torch loop over the experts that received tokens: out[t] = sum_j topk_weights[t, j] *
     w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t)), e = topk_ids[t, j] (mapped through expert_map,
-    whose -1 entries mark remote experts: their pairs contribute nothing).
+    whose -1 entries mark remote experts: their pairs contribute nothing). A pair whose id lies outside
+    [0, E_global), or whose expert is not one of w1's, is dropped too (the op leaves such ids undefined
+    without validate; its kernels drop them).
 
     hidden_states [T, D]; w1 [E_local, 2I, D] (gate rows, then up rows); w2 [E_local, D, I];
     topk_weights [T, k]; topk_ids [T, k] indexing E_global (expert_map's length, else E_local).
@@ -138,6 +150,8 @@ def fused_moe_ref(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
         emap = expert_map.to(local.device).long()
         inside = (local >= 0) & (local < emap.numel())
         local = torch.where(inside, emap[local.clamp(0, emap.numel() - 1)], -1)
+    # a pair whose expert (after the map) is not one of w1's is dropped, as the kernels drop it
+    local = torch.where((local >= 0) & (local < w1.shape[0]), local, -1)
     weights = topk_weights.reshape(-1)
     for e in torch.unique(local).tolist():
         if e < 0:  # remote expert

@@ -1091,6 +1091,22 @@ def test_reference_matches_a_loop_over_pairs(dtype, activation):
     assert checkAllclose(naive, fused_moe_ref(x, w1, w2, w, ids, activation), atol=5e-2, rtol=5e-2) == 0
 
 
+def test_reference_drops_ids_outside_the_experts():
+    """Ids outside [0, E), and map values past w1's experts, contribute nothing (as the kernels drop them);
+    the reference had raised IndexError for some of them and dropped others."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    w1 = torch.randn(6, 16, 16, generator=g, dtype=torch.float64)
+    w2 = torch.randn(6, 16, 8, generator=g, dtype=torch.float64)
+    w = torch.rand(4, 2, generator=g, dtype=torch.float64).float()
+    ids = torch.tensor([[0, 6], [-1, 2], [5, 10**6], [3, 3]], dtype=torch.int32)
+    keep = torch.tensor([[1, 0], [0, 1], [1, 0], [1, 1]], dtype=torch.float32)
+    want = fused_moe_ref(x, w1, w2, w * keep, ids.clamp(0, 5))
+    assert torch.allclose(fused_moe_ref(x, w1, w2, w, ids), want, rtol=1e-12, atol=1e-12)
+    emap = torch.tensor([0, 1, 2, 3, 4, 5, 40], dtype=torch.int32)  # global expert 6 -> 40: not one of w1's
+    assert torch.allclose(fused_moe_ref(x, w1, w2, w, ids, expert_map=emap), want, rtol=1e-12, atol=1e-12)
+
+
 def test_reference_zero_tokens_and_bad_activation():
     w1, w2 = make_weights(4, 16, 8, torch.float32, device="cpu")
     x, w, ids = torch.empty(0, 16), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32)

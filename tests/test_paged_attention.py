@@ -196,7 +196,7 @@ def test_invalid_metadata_never_reads_out_of_bounds(n):
         bt[bt == 0] = unused.pop()
         unused.append(0)
     k[unused], v[unused] = float("nan"), float("nan")  # a masked token must not read (or weigh) these
-    ref, ref_lse = masked_reference(q, k, v, bt, cl)
+    ref, ref_lse = paged_attention_ref(q, k, v, bt, cl)  # it masks the bad ids as the op documents
 
     def check(variant, msg):
         out = poison(torch.empty_like(q))
@@ -211,10 +211,10 @@ def test_invalid_metadata_never_reads_out_of_bounds(n):
         check(None, "v16 unsplit 16-head")
 
 
-def masked_reference(q, k, v, bt, cl, scale=None):
-    """The op's documented handling of bad metadata (NHD), in float32: a length clamped to [0, what the
-    block-table row addresses]; a token whose block id is outside [0, num_blocks) is left out (masked),
-    the sequence's other tokens attended as usual."""
+def _masked_loop(q, k, v, bt, cl, scale=None):
+    """The op's documented handling of bad metadata (NHD), in float32, token by token (independent of the
+    reference): a length clamped to [0, what the block-table row addresses]; a token whose block id is
+    outside [0, num_blocks) is left out (masked), the sequence's other tokens attended as usual."""
     nb, bs, hkv, d = k.shape
     group = q.shape[1] // hkv
     scale = d ** -0.5 if scale is None else scale
@@ -561,6 +561,21 @@ def test_gqa_above_64_rejected():
                   value_cache=torch.randn(10, 16, 1, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="GQA ratio query heads / KV heads must be at most 64, got 130"):
         _call(c)
+
+
+def test_reference_masks_bad_metadata_as_the_op_documents():
+    """paged_attention_ref (the GPU tests' reference) on invalid block ids and lengths past the row or
+    below 0, against a token-by-token loop."""
+    g = torch.Generator().manual_seed(3)
+    for bs in (1, 4, 16):
+        k, v = torch.randn(20, bs, 2, 64, generator=g), torch.randn(20, bs, 2, 64, generator=g)
+        q = torch.randn(3, 8, 64, generator=g)
+        bt = torch.randint(-3, 23, (3, 6), generator=g, dtype=torch.int32)
+        cl = torch.tensor([-5, 3 * bs + 1, 10**6], dtype=torch.int32)
+        ref, ref_lse = paged_attention_ref(q, k, v, bt, cl)
+        want, want_lse = _masked_loop(q, k, v, bt, cl)
+        assert torch.allclose(ref, want, atol=1e-6, rtol=1e-5) and torch.allclose(ref_lse, want_lse, atol=1e-6)
+        assert (ref[0] == 0).all() and (ref_lse[0] == -math.inf).all()
 
 
 def test_reference_handles_both_layouts():

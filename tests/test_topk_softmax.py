@@ -215,6 +215,13 @@ def test_reference_breaks_ties_by_lower_index():
     assert torch.allclose(w, torch.full((1, 3), 1 / 3))
 
 
+def test_reference_ranks_by_logit_where_probabilities_round_equal():
+    """As the op documents: distinct logits whose float32 probabilities are equal (all three underflow to 0)
+    keep their logits' order, not their indices'."""
+    w, ids = topk_softmax_ref(torch.tensor([[0.0, -200.0, -150.0, -120.0]]), 4, False)
+    assert ids.tolist() == [[0, 3, 2, 1]] and w.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
 def test_op_is_registered_for_compile_and_graphs():
     assert hasattr(torch.ops.hipkern, "topk_softmax") and hasattr(torch.ops.hipkern, "topk_softmax_out")
     schema = str(torch.ops.hipkern.topk_softmax_out.default._schema)
