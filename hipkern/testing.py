@@ -1,8 +1,9 @@
 """Test and benchmark helpers in aiter's conventions, made strict.
 
 * ``checkAllclose(a, b, rtol, atol, tol_err_ratio, msg)``: prints ``[checkAllclose atol=.. rtol=..
-  passed~]`` or a ``failed!`` line with the max abs delta and the share of mismatched elements, and
-  returns that share. NaN or Inf in `a` where the reference `b` is finite is always a failure.
+  passed~]``, or a ``failed!`` line (a ``warning!`` one when the mismatches' share is within
+  `tol_err_ratio`) with the max abs delta and the share of mismatched elements, and returns that share. A
+  mismatch involving NaN or Inf on either side is always a failure.
 * ``run_perftest`` / ``@perftest``: device-event timing after warm-up, median of many runs, inputs
   rotated over more than the L2 size (or L2 flushed between runs when that would take too many
   copies), with the launch queue primed so that host overhead does not leak into device time.

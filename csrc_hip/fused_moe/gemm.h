@@ -797,7 +797,7 @@ int device_slots(int device, int* out) {
 
 // Whether launch_gemm runs a grid of `grid` blocks in clusters of 2 (GemmParams::pair_cluster), into
 // *out: where GemmCfg::kPairSum and all the clusters can be resident at once (for blocks of one SM
-// each, a GPC with an odd number of SMs leaves one of them out). HIPKERN_NO_CLUSTERS=1 in the
+// each, a GPC with an odd number of SMs leaves one of them out). HIPKERN_NO_CLUSTERS (set to any value) in the
 // environment says no, for comparisons.
 template <typename T, typename M, int BM, bool Gated, int kRows = kSortedRows>
 int pairs_fit(int device, int grid, bool* out) {

@@ -482,7 +482,7 @@ int launch_merge(const Params& p, int num_seqs, hipStream_t stream) {
 // can: where the build has clusters, parts <= kMaxCluster, and clusters of `parts` blocks need no
 // more rounds over the device than the blocks alone (a cluster's blocks must fit one GPC at once).
 // `cache`: the kernel's per device (< 64): [0] its resident blocks, [parts] its resident clusters of
-// `parts` blocks, each plus one (0: not asked yet). HIPKERN_NO_CLUSTERS=1 in the environment turns
+// `parts` blocks, each plus one (0: not asked yet). HIPKERN_NO_CLUSTERS set (to any value) in the environment turns
 // clusters off (the merge kernel), for comparisons.
 typedef int ClusterCache[64][kMaxCluster + 1];
 template <typename Kernel>

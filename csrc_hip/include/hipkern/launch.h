@@ -91,7 +91,7 @@ inline bool is_cluster(dim3 c) { return c.x * c.y * c.z > 1; }
 // programmatic dependent launch (CUDA, sm_90: the kernel must call griddep_wait() before it reads what
 // the previous kernel writes); a plain launch elsewhere. `cluster` > 1 block: in clusters of that shape
 // (kClusters builds only; hipErrorNotSupported elsewhere). Returns the launch's error.
-// HIPKERN_NO_PDL=1 in the environment turns the early start off (a plain launch), for comparisons.
+// HIPKERN_NO_PDL set (to any value) in the environment turns the early start off (a plain launch), for comparisons.
 template <typename... Params, typename... Args>
 hipError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned smem,
                                      hipStream_t stream, dim3 cluster, Args... args) {
