@@ -86,14 +86,19 @@ def test_a_database_row_sets_block_m_and_misses_fall_back(fresh, monkeypatch):
     assert set(BLOCK_MS) >= set(block_ms_for(torch.float32))
 
 
-def test_a_decode_row_is_taken_where_decode_can_run(fresh, monkeypatch):
-    # top-12 (a shape with no shipped row): 2 tokens make 24 pairs, 3 tokens 36 (over decode's 32)
+def _top12_row(fresh, monkeypatch, cand):
+    """The only database row (in `fresh`, overlaid) of top-12 at 2 tokens (a shape with no shipped row): `cand`."""
     shape = ADAPTER.parse_shape({**RAW, "topk": "12", "tokens": "2"})
-    row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, Candidate.of("decode", block_m=16),
+    row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, cand,
                         "ok", 90.0, 10**8, 0.0, "", {"date": "2026-11-23", "commit": "abc"})
     core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
     monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
     tuning_db.reset()
+
+
+def test_a_decode_row_is_taken_where_decode_can_run(fresh, monkeypatch):
+    # 2 tokens of top-12 make 24 pairs, 3 tokens 36 (over decode's 32)
+    _top12_row(fresh, monkeypatch, Candidate.of("decode", block_m=16))
     assert choose_config("sm_90", 132, 2, 7168, 256, 256, 12, torch.bfloat16) == ("decode", 16)  # exact
     assert choose_config("sm_90", 132, 1, 7168, 256, 256, 12, torch.bfloat16) == ("decode", 16)  # nearest
     # the nearest row for 3 tokens, but 36 pairs: the row's block_m, the grouped variant
@@ -104,12 +109,7 @@ def test_a_decode_row_is_taken_where_decode_can_run(fresh, monkeypatch):
 def test_a_gemv_row_too_small_for_the_call_falls_back_with_the_default_block_m(fresh, monkeypatch):
     """A gemv row's block_m only names its module (8): where the nearest row is gemv but the call has more
     pairs than gemv takes, the grouped variant runs with default_block_m, not that 8."""
-    shape = ADAPTER.parse_shape({**RAW, "topk": "12", "tokens": "2"})
-    row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, Candidate.of("gemv", block_m=8),
-                        "ok", 90.0, 10**8, 0.0, "", {"date": "2026-11-23", "commit": "abc"})
-    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
-    monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
-    tuning_db.reset()
+    _top12_row(fresh, monkeypatch, Candidate.of("gemv", block_m=8))
     assert choose_config("sm_90", 132, 2, 7168, 256, 256, 12, torch.bfloat16) == ("gemv", 8)  # exact: 24 pairs
     # 512 tokens (6144 pairs) find the same row, nearest: too many pairs for gemv
     assert choose_config("sm_90", 132, 512, 7168, 256, 256, 12, torch.bfloat16) == (
