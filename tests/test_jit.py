@@ -93,10 +93,12 @@ def test_killed_build_leaves_no_module_and_no_stuck_lock(jit_dir, tiny_root, tmp
     os.killpg(proc.pid, signal.SIGKILL)  # the builder and its compiler
     proc.wait()
     assert not list((jit_dir / "sm_90").glob("tiny-*/tiny.so"))
+    assert list((jit_dir / "sm_90").glob(".tmp-tiny-*"))  # the killed build's temporary folder
     t0 = time.perf_counter()
     res = jit.build(tiny_spec(tiny_root), "sm_90")  # the dead process's lock does not block this
     assert res.built and res.path.is_file()
     assert time.perf_counter() - t0 < 120
+    assert not list((jit_dir / "sm_90").glob(".tmp-tiny-*"))  # cleared by the next build of the module
 
 
 def test_leftover_lock_file_of_dead_process_is_ignored(jit_dir, tiny_root, tmp_path):

@@ -156,6 +156,9 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
     seconds = None  # compile time when this call built it
     with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"{spec.name} for {arch}"):
         if want_rebuild or not so.is_file():  # another process may have built it while we waited
+            # Under the lock no live process builds this module: a temporary folder of it is a killed build's.
+            for stale in arch_dir.glob(f".tmp-{final_dir.name}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             log.info("building module %s for %s", spec.name, arch)
             seconds = _compile(spec, arch, toolchain, final_dir, key)
             _rebuilt.add((spec.name, arch))
