@@ -3,11 +3,12 @@
 Files: ``tuning/results/<arch>/<op>.csv`` shipped with hipkern (inside a wheel: hipkern/_tuning),
 overlaid row by row by the user's files in ``HIPKERN_TUNING_DB=path[:path...]`` (later files win
 on the same key; within one file the fastest row of a key, then the newest, as the tuner merges; a
-file named in the variable that holds another op's columns is that op's alone). Each op declares a :class:`Schema`: its shape keys that must match exactly
-(dtype, head size, layout, ...), its bucket keys (powers of two: batch, context length, tokens),
-its variant-parameter columns, and optionally further timings of the chosen candidate under other
-inputs (``measures``: fused_moe's ``skewed_us``, every token routed to the same experts). Every file
-also has the columns ``arch, cu_count, variant, us, tbps, err, date, commit``.
+file named in the variable that holds another op's columns is that op's alone). Each op declares a
+:class:`Schema`: its shape keys that must match exactly (dtype, head size, layout, ...), its bucket
+keys (powers of two: batch, context length, tokens), its variant-parameter columns, and optionally
+further timings of the chosen candidate under other inputs (``measures``: fused_moe's ``skewed_us``,
+every token routed to the same experts). Every file also has the columns ``arch, cu_count, variant,
+us, tbps, err, date, commit``.
 
 Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
 

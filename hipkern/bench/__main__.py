@@ -13,7 +13,8 @@ EXTRA = {"paged_attention_sweep": paged_attention.sweep}  # not part of "all"
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hipkern.bench", description="hipkern benchmarks")
-    ap.add_argument("which", nargs="*", default=["all"], help=f"all, or some of {sorted(BENCHES)} (also {sorted(EXTRA)}, not in all)")
+    ap.add_argument("which", nargs="*", default=["all"],
+                    help=f"all, or some of {sorted(BENCHES)} (also {sorted(EXTRA)}, not in all)")
     ap.add_argument("--out", default="bench_results", help="directory for the CSV files")
     ap.add_argument("--quick", action="store_true", help="fewer timing iterations (smoke run)")
     ap.add_argument("--cases", default=None,

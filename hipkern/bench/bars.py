@@ -89,7 +89,8 @@ def moe(rows: list[dict]) -> list[str]:
                                  r["custom_us"] <= MOE_ONE_TOKEN_US, MOE_ONE_TOKEN_US, floor))
         elif r["routing"] == "skewed" and _moe_key(r) in uniform:
             u = uniform[_moe_key(r)]
-            bar = MOE_SKEW * u["weight_MB"] / u["custom_us"]
-            out.append(_line(name, f"{tbps / bar * MOE_SKEW:.3f} of uniform's TB/s ({r['custom_us']:.1f} us)",
+            u_tbps = u["weight_MB"] / u["custom_us"]
+            bar = MOE_SKEW * u_tbps
+            out.append(_line(name, f"{tbps / u_tbps:.3f} of uniform's TB/s ({r['custom_us']:.1f} us)",
                              f">= 1/1.1 = {MOE_SKEW:.3f} ({bar:.3f} TB/s)", tbps >= bar, mb / bar, floor))
     return out

@@ -127,11 +127,18 @@ def check_routing_out(out, num_tokens: int, topk: int) -> dict:
     return {"out[0] (weights)": out[0], "out[1] (ids)": out[1]}
 
 
+def check_outputs_apart(outs: dict, **inputs) -> None:
+    """Raise ValueError unless each of `outs` ({name: tensor}: an op's out= tensors) shares no memory with
+    any of `inputs` nor with another of `outs`. Addresses only: at launch."""
+    items = list(outs.items())
+    for i, (name, t) in enumerate(items):
+        check_no_overlap(name, t, **inputs, **dict(items[i + 1:]))
+
+
 def check_routing_apart(weights, ids, **inputs) -> None:
     """A routing op's `out=` pair must share no memory with its inputs nor with each other (the kernels
-    read the logits while other rows' weights and ids are written). Addresses only: at launch."""
-    check_no_overlap("out[0] (weights)", weights, **inputs, **{"out[1] (ids)": ids})
-    check_no_overlap("out[1] (ids)", ids, **inputs)
+    read the logits while other rows' weights and ids are written)."""
+    check_outputs_apart({"out[0] (weights)": weights, "out[1] (ids)": ids}, **inputs)
 
 
 @contextlib.contextmanager

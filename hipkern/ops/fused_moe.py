@@ -346,24 +346,6 @@ def _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", 
     return out
 
 
-# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
-# graph) gets the Python function's checks before any launch.
-def _checked_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0,
-                  variant=""):
-    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None,
-              variant=variant or None)
-    return _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant)
-
-
-def _checked_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out):
-    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None, out,
-              variant or None)
-    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out)
-
-
-lib.impl("fused_moe", _checked_impl, "CUDA")
-lib.impl("fused_moe_out", _checked_out, "CUDA")
-
 
 @torch.library.register_fake("hipkern::fused_moe")
 def _fake(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0, variant=""):
@@ -376,6 +358,25 @@ def _fake(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expe
 def _fake_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out):
     _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None, out,
               variant or None)
+
+
+# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
+# graph) gets the Python function's checks before any launch.
+def _checked_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0,
+                  variant=""):
+    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None,
+              variant=variant or None)
+    return _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant)
+
+
+def _checked_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out):
+    _fake_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant,
+              out)  # the checks of trace time
+    _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out)
+
+
+lib.impl("fused_moe", _checked_impl, "CUDA")
+lib.impl("fused_moe_out", _checked_out, "CUDA")
 
 
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -117,6 +117,22 @@ def _launch_out(gating_logits, correction_bias, topk, num_expert_group, topk_gro
             routed_scaling_factor, weights, ids)
 
 
+
+@torch.library.register_fake("hipkern::grouped_topk")
+def _fake(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring="sigmoid", renormalize=True,
+          routed_scaling_factor=1.0):
+    _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+              routed_scaling_factor)
+    return _outputs(gating_logits, topk)
+
+
+@torch.library.register_fake("hipkern::grouped_topk_out")
+def _fake_out(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+              routed_scaling_factor, weights, ids):
+    _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
+              routed_scaling_factor, (weights, ids))
+
+
 # The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
 # graph) gets the Python function's checks before any launch.
 # (The dispatcher leaves out trailing arguments equal to their defaults: hence the full signatures.)
@@ -132,27 +148,12 @@ def _checked_out(gating_logits, correction_bias, topk, num_expert_group, topk_gr
                  routed_scaling_factor, weights, ids):
     args = (gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
             routed_scaling_factor)
-    _validate(*args, (weights, ids))
+    _fake_out(*args, weights, ids)  # the checks of trace time
     _launch_out(*args, weights, ids)
 
 
 lib.impl("grouped_topk", _checked_impl, "CUDA")
 lib.impl("grouped_topk_out", _checked_out, "CUDA")
-
-
-@torch.library.register_fake("hipkern::grouped_topk")
-def _fake(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring="sigmoid", renormalize=True,
-          routed_scaling_factor=1.0):
-    _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
-              routed_scaling_factor)
-    return _outputs(gating_logits, topk)
-
-
-@torch.library.register_fake("hipkern::grouped_topk_out")
-def _fake_out(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
-              routed_scaling_factor, weights, ids):
-    _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
-              routed_scaling_factor, (weights, ids))
 
 
 def grouped_topk(gating_logits: torch.Tensor, correction_bias: torch.Tensor | None, topk: int, num_expert_group: int,

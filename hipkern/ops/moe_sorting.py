@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_device, check_int, check_no_overlap, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import check_device, check_int, check_outputs_apart, check_tensor, lib, module_for, on_device, raw_stream
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -101,9 +101,7 @@ def _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, 
     write the outputs, so an overlap would change the ranking under way (cursors past their segments).
     Addresses only: at launch, never while tracing."""
     ins = {"topk_ids": topk_ids} if expert_map is None else {"topk_ids": topk_ids, "expert_map": expert_map}
-    outs = list(zip(_OUT_NAMES, (sorted_ids, expert_ids, num_post)))
-    for i, (name, t) in enumerate(outs):
-        check_no_overlap(name, t, **ins, **dict(outs[i + 1:]))
+    check_outputs_apart(dict(zip(_OUT_NAMES, (sorted_ids, expert_ids, num_post))), **ins)
     _run(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
 
 
@@ -112,21 +110,6 @@ def _gpu_impl(topk_ids, num_experts, block_m, expert_map=None):
     _run(topk_ids, num_experts, block_m, expert_map, *outs)
     return outs
 
-
-# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
-# graph) gets the Python function's checks before any launch.
-def _checked_impl(topk_ids, num_experts, block_m, expert_map=None):
-    _validate(topk_ids, num_experts, block_m, expert_map)
-    return _gpu_impl(topk_ids, num_experts, block_m, expert_map)
-
-
-def _checked_out(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post):
-    _validate(topk_ids, num_experts, block_m, expert_map, (sorted_ids, expert_ids, num_post))
-    _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
-
-
-lib.impl("moe_sorting", _checked_impl, "CUDA")
-lib.impl("moe_sorting_out", _checked_out, "CUDA")
 
 
 @torch.library.register_fake("hipkern::moe_sorting")
@@ -138,6 +121,22 @@ def _fake(topk_ids, num_experts, block_m, expert_map=None):
 @torch.library.register_fake("hipkern::moe_sorting_out")
 def _fake_out(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post):
     _validate(topk_ids, num_experts, block_m, expert_map, (sorted_ids, expert_ids, num_post))
+
+
+# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
+# graph) gets the Python function's checks before any launch.
+def _checked_impl(topk_ids, num_experts, block_m, expert_map=None):
+    _validate(topk_ids, num_experts, block_m, expert_map)
+    return _gpu_impl(topk_ids, num_experts, block_m, expert_map)
+
+
+def _checked_out(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post):
+    _fake_out(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)  # the checks of trace time
+    _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
+
+
+lib.impl("moe_sorting", _checked_impl, "CUDA")
+lib.impl("moe_sorting_out", _checked_out, "CUDA")
 
 
 def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, expert_map: torch.Tensor | None = None,

@@ -237,6 +237,7 @@ VARIANTS = {
                   "(_plan_per_sequence)", _plan_per_sequence, kernel="mma", max_seqs=MAX_PER_SEQUENCE_SEQS),
 }
 
+
 def _row_problem(row: dict) -> str | None:
     """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a parameter
     its variant's plan does not take, or a heads_per_block its kernel lacks for the row's GQA group."""
@@ -429,13 +430,12 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
 def _checked_launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
     """torch.ops.hipkern.paged_attention_decode called directly (or from a compiled graph): its arguments
     are validated as the Python function validates them before it launches."""
-    _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, True,
-              ALIASES.get(variant, variant) or None)
+    variant = ALIASES.get(variant, variant)
+    _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, True, variant or None)
     if lse.numel():
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=tuple(query.shape[:2]))
         check_device(query.device, lse=lse)
-    _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout,
-            ALIASES.get(variant, variant), out, lse)
+    _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse)
 
 
 lib.impl("paged_attention_decode", _checked_launch, "CUDA")

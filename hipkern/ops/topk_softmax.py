@@ -76,21 +76,6 @@ def _launch_out(gating_logits, topk, renormalize, weights, ids) -> None:
     _launch(gating_logits, topk, renormalize, weights, ids)
 
 
-# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
-# graph) gets the Python function's checks before any launch.
-def _checked_impl(gating_logits, topk, renormalize=True):
-    _validate(gating_logits, topk, renormalize)
-    return _gpu_impl(gating_logits, topk, renormalize)
-
-
-def _checked_out(gating_logits, topk, renormalize, weights, ids):
-    _validate(gating_logits, topk, renormalize, (weights, ids))
-    _launch_out(gating_logits, topk, renormalize, weights, ids)
-
-
-lib.impl("topk_softmax", _checked_impl, "CUDA")
-lib.impl("topk_softmax_out", _checked_out, "CUDA")
-
 
 @torch.library.register_fake("hipkern::topk_softmax")
 def _fake(gating_logits, topk, renormalize=True):
@@ -101,6 +86,22 @@ def _fake(gating_logits, topk, renormalize=True):
 @torch.library.register_fake("hipkern::topk_softmax_out")
 def _fake_out(gating_logits, topk, renormalize, weights, ids):
     _validate(gating_logits, topk, renormalize, (weights, ids))
+
+
+# The registered implementations validate too: torch.ops.hipkern.* called directly (or from a compiled
+# graph) gets the Python function's checks before any launch.
+def _checked_impl(gating_logits, topk, renormalize=True):
+    _validate(gating_logits, topk, renormalize)
+    return _gpu_impl(gating_logits, topk, renormalize)
+
+
+def _checked_out(gating_logits, topk, renormalize, weights, ids):
+    _fake_out(gating_logits, topk, renormalize, weights, ids)  # the checks of trace time
+    _launch_out(gating_logits, topk, renormalize, weights, ids)
+
+
+lib.impl("topk_softmax", _checked_impl, "CUDA")
+lib.impl("topk_softmax_out", _checked_out, "CUDA")
 
 
 def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = True, *, out=None):
