@@ -1,4 +1,7 @@
-"""CPU-only tests of hipkern.testing: checkAllclose, poison, run_perftest/perftest, BenchTable."""
+"""Tests of hipkern.testing: checkAllclose, poison, run_perftest/perftest, BenchTable (CPU), and what
+run_perftest's stream hold and L2 flush do on a GPU."""
+import time
+
 import math
 import re
 
@@ -6,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from hipkern.testing import BenchTable, checkAllclose, perftest, poison, run_perftest
+from hipkern.testing import BenchTable, checkAllclose, perftest, poison, rows_scaled, run_perftest
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +37,28 @@ def _perturbed(b, k, delta=0.5):
 
 
 # ---------------------------------------------------------------- checkAllclose
+def test_rows_scaled_tightens_atol_for_small_rows_only(capsys):
+    """Rows of size ~0.004 (attention at 131072 tokens): a 30 % error passes a plain atol of 8e-3 but not
+    the row-scaled one; a row of size >= 1 keeps the plain tolerance; NaN and a nonzero element against
+    an all-zero reference row fail."""
+    ref = torch.randn(3, 128, dtype=torch.float64)
+    ref[0] *= 0.004 / ref[0].abs().max()
+    ref[1] *= 3 / ref[1].abs().max()
+    ref[2] = 0
+    got = ref.clone()
+    got[0] *= 1.3
+    assert _check(capsys, got, ref, atol=8e-3, rtol=8e-3)[0] == 0
+    assert _check(capsys, *rows_scaled(got, ref), atol=8e-3, rtol=8e-3)[0] > 0
+    ok = ref.clone()
+    ok[1] += 7e-3  # under the plain atol on a row of size 3
+    ok[0] += 1e-5  # 0.25 % of the row's size
+    assert _check(capsys, *rows_scaled(ok, ref), atol=8e-3, rtol=8e-3)[0] == 0
+    for bad in (math.nan, 1e-9):
+        wrong = ref.clone()
+        wrong[2, 5] = bad
+        assert _check(capsys, *rows_scaled(wrong, ref), atol=8e-3, rtol=8e-3)[0] > 0
+
+
 def test_identical_passes_with_msg_prefix(capsys):
     b = torch.randn(64, 33)
     res, out = _check(capsys, b.clone(), b, atol=1e-3, rtol=1e-4, msg="layer7 q_proj ")
@@ -210,6 +235,32 @@ def test_run_perftest_rotates_over_clones(rotate_bytes, max_copies, buffers):
     assert len({t.data_ptr() for t in seen}) == buffers
     assert seen[0] is x
     assert all(torch.equal(t, x) for t in seen)
+
+
+@pytest.mark.gpu
+def test_run_perftest_times_the_device_not_the_host():
+    """The stream is held while the host enqueues, so each call's events bracket its kernel alone: a call
+    that sleeps 300 us on the host before a tiny kernel still times as a few microseconds."""
+    x = torch.randn(1024, device="cuda")
+
+    def slow_host(v):
+        time.sleep(300e-6)
+        return v.add(1)
+
+    out, us = run_perftest(slow_host, x, num_iters=20, num_warmup=2, rotate_bytes=0)
+    assert torch.equal(out, x + 1)
+    assert us < 60, f"{us:.1f} us: the events measured the host's sleep"
+
+
+@pytest.mark.gpu
+def test_run_perftest_flush_times_reads_from_memory_not_l2():
+    """With one copy of a 16 MB input (it fits the H100's 50 MB L2), no rotation leaves it in L2 between
+    calls; max_copies=1 with the default target flushes L2 before each call instead, so the same read
+    takes longer (HBM at ~3 TB/s against L2's several)."""
+    x = torch.ones(4 << 20, device="cuda")  # 16 MB
+    _, warm = run_perftest(torch.sum, x, num_iters=50, num_warmup=5, rotate_bytes=0)
+    _, flushed = run_perftest(torch.sum, x, num_iters=50, num_warmup=5, max_copies=1)
+    assert flushed > 1.15 * warm, f"flushed {flushed:.2f} us against warm {warm:.2f} us"
 
 
 def test_run_perftest_rejects_no_iters():

@@ -169,3 +169,16 @@ def test_the_default_on_cdna_at_head_size_256_is_the_op_s():
             shape = {**pa_shape(8, 2048), "head_size": head}
             assert ADAPTER.heuristic(shape, info).name == pa.heuristic_variant(head, arch)
     assert pa.heuristic_variant(256, "gfx942") == "v3" and pa.heuristic_variant(256, "sm_90") == "v16"
+
+
+def test_cdna_head_size_256_offers_no_matrix_core_candidate_the_op_refuses():
+    """On CDNA the op refuses v16 / v5 at head size 256 (their tiles exceed 64 KB of LDS; kernel_runs): the
+    tuner does not plan them there (planning one asked the GPU for its occupancy, which raised), and keeps
+    them elsewhere."""
+    from hipkern.ops import paged_attention as pa
+    for arch, head in (("gfx942", 256), ("gfx942", 128), ("sm_90", 256)):
+        info = ADAPTER.info_for(arch, 304 if arch == "gfx942" else 132)
+        names = {c.variant for c in ADAPTER.candidates({**pa_shape(8, 2048), "head_size": head}, info).kept}
+        refused = {v for v in pa.VARIANTS if not pa.kernel_runs(pa.VARIANTS[v], head, info["wave"])}
+        assert refused == ({"v16", "v5"} if (arch, head) == ("gfx942", 256) else set())
+        assert names and not names & refused and "v3" in names

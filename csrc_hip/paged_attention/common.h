@@ -522,7 +522,13 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   const unsigned items = p.split_target > 0 ? (unsigned)(num_seqs + p.split_target) : (unsigned)num_seqs;
   const dim3 grid((unsigned)num_kv_heads * hgroups, items, p.split_target > 0 ? 1u : (unsigned)p.num_partitions);
   // e.g. v3 on CDNA at 1024 sequences x 16 KV heads x 1024 partitions
-  if (!threads_fit((int64_t)grid.x * grid.y * grid.z, threads))
+  // A split's merge grid (launch_merge: 128 threads a block of merge_heads) may be the larger: checked
+  // here too, before anything is launched.
+  const bool split = p.num_partitions > 1 || p.split_target > 0;
+  const int most = p.split_target > 0 ? p.split_target : p.num_partitions;
+  const int merge_h = most <= kMergeBatch ? merge_heads<D, 1>() : merge_heads<D, merge_groups<D>()>();
+  const int64_t merge_blocks = (int64_t)((p.num_q_heads + merge_h - 1) / merge_h) * num_seqs;
+  if (!threads_fit((int64_t)grid.x * grid.y * grid.z, threads) || (split && !threads_fit(merge_blocks, 128)))
     return set_invalid("paged_attention: this launch needs 2^32 threads or more, more than HIP runs (fewer "
                        "sequences or KV heads a call, or a shorter block table)", __FILE__, __LINE__);
   bool clusters = false;
@@ -540,10 +546,9 @@ int launch_decode(Kernel kernel, unsigned long long& raised, const Params& p, in
   hipLaunchKernelGGL(kernel, grid, dim3(threads), smem_bytes, stream, p);
   const hipError_t err = hipGetLastError();
   if (err != hipSuccess) return set_error((int)err, name, __FILE__, __LINE__);
-  if (p.num_partitions > 1 || p.split_target > 0) {
+  if (split) {
     // A sequence's partials: at most num_partitions, or (per-sequence split) split_target (block_work's
     // plan gives a sequence round(tiles / c) partitions with c >= all tiles / split_target).
-    const int most = p.split_target > 0 ? p.split_target : p.num_partitions;
     return most <= kMergeBatch ? launch_merge<T, D, 1>(p, num_seqs, stream)
                                : launch_merge<T, D, merge_groups<D>()>(p, num_seqs, stream);
   }

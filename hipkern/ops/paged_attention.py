@@ -328,7 +328,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         raise ValueError(f"key_cache/value_cache rows must be 16-byte aligned: strides must be multiples of 8 "
                          f"elements, got {key_cache.stride()}")
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), contiguous=False, gpu=False)
-    if block_tables.shape[0] != num_seqs or block_tables.stride(-1) != 1 or block_tables.shape[1] < 1:
+    # (a one-column table's column stride is never used: torch allows any there)
+    if (block_tables.shape[0] != num_seqs or (block_tables.stride(-1) != 1 and block_tables.shape[1] > 1)
+            or block_tables.shape[1] < 1):
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq >= 1] with a contiguous "
                          f"last dimension, got {tuple(block_tables.shape)} strides {block_tables.stride()}")
     if block_tables.shape[1] * bs > MAX_TOKENS:
@@ -395,7 +397,7 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
         variant, params = "v16", {}
     var = VARIANTS[variant]
     kernel = KERNELS[var.kernel]
-    if var.kernel == "mma" and head_size == 256 and mod.wave_size() == 64:
+    if not kernel_runs(var, head_size, mod.wave_size()):
         raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
                          f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
     group = num_q_heads // hkv
@@ -458,6 +460,12 @@ HEURISTIC_VARIANT = "v16"
 
 def heuristic_variant(head_size: int, arch: str) -> str:
     return "v3" if head_size == 256 and arch.startswith("gfx") else HEURISTIC_VARIANT
+
+
+def kernel_runs(variant: Variant, head_size: int, wave_size: int) -> bool:
+    """Whether a variant's kernel runs this head size on GPUs of this wave size: the matrix-core kernel's
+    K/V tiles of head size 256 do not fit CDNA's 64 KB of LDS (64-lane waves)."""
+    return not (variant.kernel == "mma" and head_size == 256 and wave_size == 64)
 
 
 def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:

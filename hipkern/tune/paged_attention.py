@@ -25,6 +25,7 @@ import torch
 from .. import tuning_db
 from ..ops import paged_attention as pa
 from ..reference import paged_attention_ref
+from ..testing import rows_scaled
 from .core import Candidate, Pruned, arch_info, dedupe, gpu_info, perftest_us
 
 PARAM_GRID = {
@@ -123,6 +124,8 @@ class PagedAttentionTuner:
         for v in names:
             var = pa.VARIANTS[v]
             if _seqs(s) > var.max_seqs:  # the op would run v16 under its name
+                continue
+            if not pa.kernel_runs(var, s["head_size"], info["wave"]):  # the op refuses it (CDNA, head 256)
                 continue
             group = s["num_q_heads"] // s["num_kv_heads"]  # the op's plans see its kernel's real occupancy
             grid = PARAM_GRID.get(v, {})
@@ -238,7 +241,7 @@ class _Bench:
         pa.paged_attention_decode(self.q, self.k, self.v, self.bt, self.cl, kv_layout=self.layout, out=out)
 
     def checked(self, out):
-        return out[self.idx], self.ref
+        return rows_scaled(out[self.idx], self.ref)  # atol for the rows' own size (long contexts)
 
     def time_us(self) -> float:
         k, v, layout = self.k, self.v, self.layout
