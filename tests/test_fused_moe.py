@@ -89,6 +89,7 @@ def run_and_check(x, w1, w2, w, ids, activation="silu", expert_map=None, block_m
                             block_m=block_m, variant=variant)
     assert res is out
     ref = reference(x, w1, w2, w, ids, activation, expert_map)
+    assert torch.isfinite(ref).all(), "the reference is not finite"
     tag = f"{msg}{str(x.dtype)[6:]} T={x.shape[0]} D={x.shape[1]} I={w2.shape[2]} E={w1.shape[0]} " \
           f"k={ids.shape[1]} {activation} block_m={block_m} variant={variant} "
     assert checkAllclose(res, ref, msg=tag, **TOL[x.dtype]) == 0
@@ -119,8 +120,8 @@ def test_expert_counts_and_topk(dtype, e, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 32, 129, 2048])
-@pytest.mark.parametrize("d,i,e,k", [(256, 128, 256, 8), (200, 72, 64, 2)],
-                         ids=["256x128-E256-top8", "200x72-E64-top2"])
+@pytest.mark.parametrize("d,i,e,k", [(256, 128, 256, 8), (200, 72, 64, 2), (200, 72, 257, 9)],
+                         ids=["256x128-E256-top8", "200x72-E64-top2", "200x72-E257-top9"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_token_counts(dtype, d, i, e, k, t):
     run_and_check(*make_case(t, d, i, e, k, dtype, seed=t))
@@ -186,23 +187,33 @@ LARGE = [pytest.param(7168, 256, 256, 8, id="7168x256-E256-top8"),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,i,e,k", LARGE)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_large_shapes(dtype, d, i, e, k):
+    """The issue's sizes (not multiples of every tile) at few and many tokens (the large block_m tiles,
+    tensor-map copies and long-K splits), uniform and skewed: every token on the same k experts, and
+    every token's first choice on the last expert."""
     w1, w2 = make_weights(e, d, i, dtype, seed=d)
-    for t in (1, 32):
+    cases = [(t, "uniform") for t in (1, 32, 129, 512)] + [(t, r) for t in (129, 512) for r in ("same", "one")]
+    for t, routing in cases:
         x, w, ids = make_tokens(t, d, dtype, t), routing_weights(t, k, t), uniform_ids(t, k, e, t)
-        res = run_and_check(x, w1, w2, w, ids)
+        if routing == "same":
+            ids = torch.randperm(e, generator=_gen(t), device="cuda")[:k].to(torch.int32).repeat(t, 1)
+        elif routing == "one":
+            ids = torch.cat([torch.full((t, 1), e - 1, dtype=torch.int32, device="cuda"),
+                             uniform_ids(t, k - 1, e - 1, t)], dim=1)
+        res = run_and_check(x, w1, w2, w, ids, msg=f"{routing} ")
         assert torch.equal(again(x, w1, w2, w, ids), res), "not deterministic"
 
 
 @pytest.mark.gpu
 def test_weights_over_2_pow_31_elements_read_at_the_far_end():
-    """w1 and w2 of more than 2^31 elements each (13.7 GB in bf16): the last experts' rows lie beyond
-    int32 element offsets. Only the routed experts hold numbers; the rest is NaN and must stay unread."""
-    e, d, i, dtype = 128, 4096, 4352, torch.bfloat16
+    """w1 and w2 of more than 2^32 elements each (27 GB in bf16): the last experts' rows lie beyond
+    int32 and uint32 element offsets. Only the routed experts hold numbers; the rest is NaN and must stay
+    unread."""
+    e, d, i, dtype = 128, 4096, 8704, torch.bfloat16
     w1 = torch.full((e, 2 * i, d), math.nan, dtype=dtype, device="cuda")
     w2 = torch.full((e, d, i), math.nan, dtype=dtype, device="cuda")
-    assert w1.numel() > 2**31 and w2.numel() > 2**31
+    assert w1.numel() > 2**32 and w2.numel() > 2**32
     g = _gen(0)
     for x in (0, 1, e - 2, e - 1):
         w1[x].normal_(0.0, d ** -0.5, generator=g)
@@ -217,6 +228,8 @@ def test_weights_over_2_pow_31_elements_read_at_the_far_end():
         run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), ids, variant=variant)
         run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), mapped, expert_map=emap,
                       variant=variant)
+    del w1, w2
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
@@ -420,7 +433,8 @@ def test_experts_without_tokens_are_never_read(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,k,e", [(1, 8, 256), (129, 8, 256), (2048, 8, 64), (300, 2, 9)])
+@pytest.mark.parametrize("t,k,e", [(1, 8, 256), (129, 8, 256), (2048, 8, 64), (300, 2, 9), (129, 9, 257),
+                                   (2048, 2, 8)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_expert_map_with_half_the_experts_remote(dtype, t, k, e):
     x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=dtype, seed=t + e)
@@ -453,7 +467,7 @@ def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypat
     in their own blocks (route.h), above it they read moe_sorting's outputs. Either way the m-blocks are
     the same, so each output must be bitwise what the chain gives through moe_sorting (forced here), as
     well as right against the reference: both sides of the limit, one pair, full and partial m-blocks,
-    1024 experts, remote experts, and dropped ids (outside [0, E): compared with moe_sorting's only)."""
+    1024 experts, remote experts, and dropped ids (outside [0, E): against the reference too)."""
     op = sys.modules["hipkern.ops.fused_moe"]  # the module (hipkern.ops.fused_moe is also the function's name)
     if block_m not in block_ms_for(dtype):
         pytest.skip(f"block_m {block_m} is not offered for {dtype}")
@@ -472,6 +486,8 @@ def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypat
         dropped = ids.clone()
         dropped[-1, 0], dropped[0, -1] = -1, e  # outside [0, E): dropped, never read through
         with_dropped = again(x, w1, w2, w, dropped, expert_map=emap, block_m=block_m, variant="grouped")
+        assert checkAllclose(with_dropped, reference(x, w1, w2, w, dropped, expert_map=emap),
+                             msg="dropped ids ", **TOL[dtype]) == 0
         with monkeypatch.context() as m:
             m.setattr(op, "_block_route_pairs", lambda mod, dev: 0)
             assert torch.equal(res, again(x, w1, w2, w, ids, expert_map=emap, block_m=block_m,
@@ -523,6 +539,70 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     assert (out[0] == 0).all()
     with pytest.raises(ValueError, match="expert_map values"):
         hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, validate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mapped", [False, True])
+@pytest.mark.parametrize("variant,t", [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40),
+                                       ("grouped", 300)])
+def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant, t, mapped):
+    """Without validate=True an id outside [0, E) is documented as undefined; every path drops its pair,
+    as fused_moe_ref does, and never reads through it: w1 / w2 are views at the start of NaN-filled
+    buffers, so a read past the experts would spread NaN. Ids at both ends of int32, just outside E, a
+    token whose every id is outside, with and without an expert_map."""
+    e, k, dtype, d, i = 16, 4, torch.bfloat16, ODD["d"], ODD["i"]
+    w1, w2 = make_weights(e, d, i, dtype, seed=t)
+    buf1 = torch.full((e + 2, 2 * i, d), math.nan, dtype=dtype, device="cuda")
+    buf2 = torch.full((e + 2, d, i), math.nan, dtype=dtype, device="cuda")
+    buf1[:e], buf2[:e] = w1, w2
+    emap = None
+    if mapped:  # a permutation of all local experts: ids outside [0, E) must not index the map either
+        emap = torch.randperm(e, generator=_gen(t + 1), device="cuda").to(torch.int32)
+    x, w = make_tokens(t, d, dtype, seed=t), routing_weights(t, k, seed=t)
+    ids = uniform_ids(t, k, e, seed=t)
+    ids[0] = torch.tensor([-1, e, -2**31, 2**31 - 1], dtype=torch.int32)
+    ids[-1, 1] = e + 1
+    if t > 2:
+        ids[1, 3] = -5
+    out = poison(torch.empty_like(x))
+    hipkern.fused_moe(x, buf1[:e], buf2[:e], w, ids, expert_map=emap, variant=variant, out=out)
+    ref = reference(x, w1, w2, w, ids, expert_map=emap)
+    assert checkAllclose(out, ref, msg=f"{variant} T={t} map={mapped} ", **TOL[dtype]) == 0
+    assert (out[0] == 0).all()
+    inside = torch.where((ids >= 0) & (ids < e), ids, 0)  # the same call with the outside pairs' weight 0
+    kept_w = torch.where((ids >= 0) & (ids < e), w, 0)
+    assert checkAllclose(out, reference(x, w1, w2, kept_w, inside, expert_map=emap), **TOL[dtype]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,t", [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40),
+                                       ("grouped", 300)])
+def test_out_in_place_or_apart_from_the_inputs(variant, t):
+    """out may be hidden_states itself (every variant reads all of it before writing out); an out that
+    shares memory with any other input, or only part of hidden_states, is refused before the launch (its
+    blocks would write what others still read)."""
+    e, k, dtype, d, i = 16, 4, torch.bfloat16, ODD["d"], ODD["i"]
+    x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=t)
+    emap = torch.randperm(e, generator=_gen(t), device="cuda").to(torch.int32)
+    ref = reference(x, w1, w2, w, ids, expert_map=emap)
+    inplace = x.clone()
+    assert hipkern.fused_moe(inplace, w1, w2, w, ids, expert_map=emap, variant=variant, out=inplace) is inplace
+    assert checkAllclose(inplace, ref, msg=f"{variant} in place ", **TOL[dtype]) == 0
+    big = torch.randn(2 * t + 1, d, device="cuda").to(dtype)
+    xs = big[:t]
+    with pytest.raises(ValueError, match="out must not overlap hidden_states"):
+        hipkern.fused_moe(xs, w1, w2, w, ids, expert_map=emap, variant=variant, out=big[1:t + 1])
+    with pytest.raises(ValueError, match="out must not overlap w2"):
+        hipkern.fused_moe(x, w1, w2, w, ids, expert_map=emap, variant=variant, out=w2.view(-1)[: t * d].view(t, d))
+    raw = torch.zeros(t * d * 2 + 64, dtype=torch.uint8, device="cuda")  # out's bytes, ids and map inside them
+    ids_in = raw[:ids.numel() * 4].view(torch.int32).view(ids.shape)
+    ids_in.copy_(ids)
+    emap_in = raw[256:256 + e * 4].view(torch.int32)
+    emap_in.copy_(emap)
+    out = raw[: t * d * 2].view(dtype).view(t, d)
+    for args, kw, name in (((ids_in,), {"expert_map": emap}, "topk_ids"), ((ids,), {"expert_map": emap_in}, "expert_map")):
+        with pytest.raises(ValueError, match=f"out must not overlap {name}"):
+            hipkern.fused_moe(x, w1, w2, w, *args, variant=variant, out=out, **kw)
 
 
 @pytest.mark.gpu
@@ -773,14 +853,26 @@ def test_a_graph_captured_on_a_warm_stream_has_counters_of_its_own(variant, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,d,i,e,k,t", [(torch.bfloat16, 256, 128, 64, 8, 2048),
-                                             (torch.float32, 256, 128, 64, 8, 2048),
-                                             (torch.bfloat16, 7168, 256, 256, 8, 32)])
-def test_deterministic(dtype, d, i, e, k, t):
+@pytest.mark.parametrize("dtype,d,i,e,k,t,routing", [
+    (torch.bfloat16, 256, 128, 64, 8, 2048, "uniform"),
+    (torch.float32, 256, 128, 64, 8, 2048, "uniform"),
+    (torch.float16, 256, 128, 64, 8, 2048, "remote"),
+    (torch.bfloat16, 7168, 256, 256, 8, 32, "uniform"),
+    (torch.bfloat16, 7168, 256, 256, 8, 32, "same"),     # split-K parts summed by the last to arrive
+    (torch.bfloat16, 4096, 14336, 8, 2, 128, "same"),
+    (torch.float32, 4096, 14336, 8, 2, 128, "same")])
+def test_deterministic(dtype, d, i, e, k, t, routing):
+    """Bitwise the same output over 10 more runs, into poisoned outputs: uniform routing, every token on
+    the same k experts (few large items, split over K), half the experts remote."""
     x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype)
-    first = hipkern.fused_moe(x, w1, w2, w, ids)
+    emap = None
+    if routing == "same":
+        ids = torch.randperm(e, generator=_gen(1), device="cuda")[:k].to(torch.int32).repeat(t, 1)
+    elif routing == "remote":
+        emap, w1, w2, _ = half_remote(e, w1, w2)
+    first = run_and_check(x, w1, w2, w, ids, expert_map=emap)
     for _ in range(10):
-        assert torch.equal(again(x, w1, w2, w, ids), first)
+        assert torch.equal(again(x, w1, w2, w, ids, expert_map=emap), first)
 
 
 @pytest.mark.gpu
@@ -1145,6 +1237,26 @@ def test_python_pair_limits_are_the_kernels():
     assert op.DECODE_MAX_PAIRS == constant("decode.h", "kDecodePairs")
     assert op.GEMV_MAX_PAIRS == constant("gemv.h", "kGemvPairs")
     assert op.ROUTE_MAX_PAIRS == constant("route.h", "kRoutePairs")
+
+
+def test_gemv_runs_only_grids_hip_runs():
+    """gemv's grids (a 256-thread block a pair and inter_dim row; tokens x model_dim units at 64 threads a
+    unit on CDNA) stay under 2^32 threads, HIP's limit: a larger call is not chosen for gemv (the database
+    nor the heuristic) and a forced one is a ValueError naming both dimensions, before any launch."""
+    import importlib
+
+    op = importlib.import_module("hipkern.ops.fused_moe")
+    assert op.GEMV_MAX_GATED_BLOCKS * 256 == 2**32 and op.GEMV_MAX_DOWN_UNITS * 64 == 2**32
+    assert op.gemv_fits(4, 8, 7168, 2**19 - 1) and not op.gemv_fits(4, 8, 7168, 2**19)
+    assert op.gemv_fits(32, 1, 2**21 - 1, 256) and not op.gemv_fits(32, 1, 2**21, 256)
+    assert op.choose_variant(1, 8, torch.bfloat16, 8, 256, 7168, 256) == "gemv"
+    assert op.choose_variant(1, 8, torch.bfloat16, 8, 256, 7168, 2**21) != "gemv"
+    x, w = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 8)
+    w1 = torch.empty(64, 2**20, 8, dtype=torch.bfloat16, device="meta")  # shapes only: checked before any launch
+    w2 = torch.empty(64, 8, 2**19, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"inter_dim 524288, model_dim 8"):
+        hipkern.fused_moe(x, w1, w2, w, ids, variant="gemv")
 
 
 @pytest.mark.gpu

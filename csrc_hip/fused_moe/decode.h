@@ -31,8 +31,8 @@ constexpr int kDecodeMaxBlockM = 64;  // both GEMMs' tiles and the table in one 
 // a y round trip in series. wait_y() runs once per thread with work, before its first y load and after
 // its first ids (which the GEMMs do not write): the standalone combine waits there for the down GEMM.
 template <typename T, int kThreads, typename WaitY>
-HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* expert_map, int num_experts, T* out,
-                            int64_t num_tokens, int topk, int dim, WaitY wait_y) {
+HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* expert_map, int num_experts,
+                            int num_local, T* out, int64_t num_tokens, int topk, int dim, WaitY wait_y) {
   constexpr int kSlots = 8;
   const int quads = dim / 4;
   const int64_t n = num_tokens * quads;
@@ -47,7 +47,7 @@ HK_DEVICE void combine_rows(const float* y, const int32_t* ids, const int32_t* e
       for (int b = 0; b < kSlots; ++b) e[b] = j0 + b < topk ? ids[t * topk + j0 + b] : -1;
       bool kept[kSlots];
 #pragma unroll
-      for (int b = 0; b < kSlots; ++b) kept[b] = moe_pair_kept(e[b], num_experts, expert_map);
+      for (int b = 0; b < kSlots; ++b) kept[b] = moe_local_expert(e[b], num_experts, expert_map, num_local) >= 0;
       if (!waited) {
         wait_y();
         waited = true;
@@ -77,6 +77,7 @@ struct GatedHooks {
   HK_DEVICE void wait_input() const {}
   HK_DEVICE void wait_item(int) const {}
   HK_DEVICE void item_done(int mb) const {
+    fence_before_publish();
     __syncthreads();  // every thread's outputs are written
     if (threadIdx.x == 0) {
       __threadfence();
@@ -142,7 +143,7 @@ struct DecodeArgs {
   const float* y;
   void* out;
   int* sync;  // kDecodeCounters ints, zero on entry, left zero
-  int num_tokens, topk, num_experts, dim;
+  int num_tokens, topk, num_experts, num_local_experts, dim;
 };
 
 template <typename T, typename M1, typename M2, int BM>
@@ -186,6 +187,7 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   int* arrived = d.sync + kDecodePairs;
   int* left = arrived + 1;
   const int G = (int)gridDim.x;
+  fence_before_publish();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -194,8 +196,8 @@ __global__ HK_LAUNCH_BOUNDS(M1::kWaves * kWaveSize, 1) void decode_kernel(GemmPa
   }
   __syncthreads();
   trace_point(5);
-  combine_rows<T, C::kThreads>(d.y, d.ids, d.expert_map, d.num_experts, static_cast<T*>(d.out), d.num_tokens, d.topk,
-                               d.dim, [] {});  // y is complete: the grid barrier above
+  combine_rows<T, C::kThreads>(d.y, d.ids, d.expert_map, d.num_experts, d.num_local_experts, static_cast<T*>(d.out),
+                               d.num_tokens, d.topk, d.dim, [] {});  // y is complete: the grid barrier above
   if (threadIdx.x == 0 && atomicAdd(left, 1) == G - 1) {  // everyone is past the barrier: reset
     for (int i = 0; i < kDecodeCounters; ++i) d.sync[i] = 0;
     __threadfence();

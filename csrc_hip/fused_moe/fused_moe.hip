@@ -207,10 +207,12 @@ struct InterLayout {
 
 __global__ __launch_bounds__(kCombineThreads) void combine_kernel(const float* y, const int32_t* ids,
                                                                   const int32_t* expert_map, int num_experts,
-                                                                  T* out, int64_t num_tokens, int topk, int dim) {
+                                                                  int num_local, T* out, int64_t num_tokens, int topk,
+                                                                  int dim) {
   // y comes from the down GEMM: each thread waits for it once its first ids are in (the routing is the
   // caller's, complete before this call), so their round trip overlaps the GEMM's tail.
-  hk::fused_moe::combine_rows<T, kCombineThreads>(y, ids, expert_map, num_experts, out, num_tokens, topk, dim, [] {
+  hk::fused_moe::combine_rows<T, kCombineThreads>(y, ids, expert_map, num_experts, num_local, out, num_tokens, topk,
+                                                  dim, [] {
     hk::griddep_wait();
     hk::fused_moe::trace_point(6);
   });
@@ -391,7 +393,8 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   }
 
   if (decode) {
-    hk::fused_moe::DecodeArgs d{topk_ids, expert_map, y, out, nullptr, num_tokens, topk, num_experts, dim};
+    hk::fused_moe::DecodeArgs d{topk_ids, expert_map, y, out, nullptr, num_tokens, topk, num_experts, num_local_experts,
+                                dim};
     return launch_decode_here(g1, g2, d, partials, counters, device, s);
   }
   int sms = 0;
@@ -404,8 +407,8 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
     HK_TRY((hk::fused_moe::launch_gemm<T, M2, BM, false>(g2, device, s)));
   const int64_t quads = (int64_t)num_tokens * (dim / 4);
   HK_CHECK(hk::launch_dependent(combine_kernel, capped_grid(quads, kCombineThreads, 16ll * sms), dim3(kCombineThreads),
-                                0, s, (const float*)y, topk_ids, expert_map, num_experts, static_cast<T*>(out),
-                                (int64_t)num_tokens, topk, dim));
+                                0, s, (const float*)y, topk_ids, expert_map, num_experts, num_local_experts,
+                                static_cast<T*>(out), (int64_t)num_tokens, topk, dim));
   return 0;
 }
 

@@ -71,10 +71,7 @@ struct GemvCfg {
 // mapped past w1's experts (a map value only validate=True rejects: the grouped GEMMs read zeros there,
 // and these kernels must not read past w1 / w2 either).
 HK_DEVICE int gemv_local_expert(const GemvArgs& a, int pair) {
-  const int e = a.ids[pair];
-  if (!moe_pair_kept(e, a.num_experts, a.expert_map)) return -1;
-  const int le = a.expert_map != nullptr ? a.expert_map[e] : e;
-  return (unsigned)le < (unsigned)a.num_local_experts ? le : -1;
+  return moe_local_expert(a.ids[pair], a.num_experts, a.expert_map, a.num_local_experts);
 }
 
 // The gated kernels' block b = i * pairs + p (pair fastest): row i of I and pair p. b / pairs as a
@@ -181,6 +178,7 @@ struct GemvMmaCfg {
   static_assert(GemvCfg<T>::kGatedThreads == 256, "a lone pair's block runs gemv_gated_row");
   typedef MmaTile<T> MT;
   static constexpr int kThreads = 256, kWaves = kThreads / kWaveSize;
+  static_assert(kThreads == GemvCfg<T>::kGatedThreads, "launch_gemv's grid check counts gemv's gated blocks");
   static constexpr int kSegs = MT::N / 2;             // S: 4 on NVIDIA, 8 on CDNA
   static constexpr int kTileTokens = MT::M / kSegs;   // pairs a product covers: 4 on NVIDIA, 2 on CDNA
   // Runs of a lane's weights in flight: D = 7168 is one batch (8 waves x 7 runs of 128 on NVIDIA, 4 x 7 of
@@ -514,7 +512,11 @@ int launch_gemv(const GemvArgs& a, bool mma, hipStream_t stream) {
   const int64_t pairs = (int64_t)a.num_tokens * a.topk;
   const int64_t gated = pairs * a.inter_dim, units = (int64_t)a.num_tokens * a.dim;
   constexpr int kWaves = C::kDownThreads / kWaveSize;
-  HK_REQUIRE(pairs >= 1 && pairs <= kGemvPairs && gated < (1ll << 27) && units / kWaves < (1ll << 30));
+  const int64_t down_blocks = (units + kWaves - 1) / kWaves;
+  HK_REQUIRE(pairs >= 1 && pairs <= kGemvPairs && gated < (1ll << 27) && down_blocks < (1ll << 30));
+  // HIP runs a grid of 2^32 threads or more wrongly (launch.h); Python's gemv_fits keeps calls under it
+  HK_REQUIRE(threads_fit(gated, C::kGatedThreads) &&  // gemv_mma's gated blocks are as large (GemvMmaCfg)
+             threads_fit(down_blocks, C::kDownThreads));
   GemvArgs g = a;
   g.inv_pairs = pairs > 1 ? (uint32_t)(((1ull << 32) + pairs - 1) / pairs) : 0u;  // unused for one pair
   HK_REQUIRE(!mma || sizeof(T) == 2);
@@ -529,7 +531,7 @@ int launch_gemv(const GemvArgs& a, bool mma, hipStream_t stream) {
   } else {
     hipLaunchKernelGGL(gemv_gated_kernel<T>, dim3((unsigned)gated), dim3(C::kGatedThreads), 0, stream, g);
     HK_CHECK_LAUNCH("fused_moe gemv_gated_kernel");
-    HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)((units + kWaves - 1) / kWaves)),
+    HK_CHECK(launch_dependent(gemv_down_kernel<T>, dim3((unsigned)down_blocks),
                               dim3(C::kDownThreads), 0, stream, a));
   }
   return 0;

@@ -11,11 +11,13 @@ import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
-from ._common import DTYPE_NAMES, check_device, check_int, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import (DTYPE_NAMES, check_device, check_int, check_no_overlap, check_tensor, lib, module_for,
+                      on_device, raw_stream)
 
-__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_PAIRS", "GEMV_VARIANTS",
-           "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m", "choose_config",
-           "choose_variant", "decode_fits", "default_block_m", "gemv_fits", "gemv_variants", "launch_choice"]
+__all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
+           "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
+           "choose_config", "choose_variant", "decode_fits", "default_block_m", "gemv_fits", "gemv_variants",
+           "launch_choice"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # gelu: the exact (erf) form, torch's default
 BLOCK_MS = (8, 16, 32, 64, 128)
@@ -35,6 +37,11 @@ GEMV_VARIANTS = ("gemv", "gemv_mma")
 DECODE_MAX_PAIRS = 32
 DECODE_MAX_BLOCK_M = 64
 GEMV_MAX_PAIRS = 32
+# gemv's grids (gemv.h launch_gemv): a gated block of 256 threads a (pair, inter_dim row), a down block of
+# 256 threads a kDownThreads / wave tokens x model_dim units. HIP runs a grid of 2^32 threads or more
+# wrongly (hipkern/launch.h threads_fit), so gemv takes calls under both bounds (at 64-lane waves).
+GEMV_MAX_GATED_BLOCKS = 1 << 24
+GEMV_MAX_DOWN_UNITS = 1 << 26
 ROUTE_MAX_PAIRS = 256  # the grouped GEMMs route in their blocks up to this many pairs (route.h kRoutePairs)
 _VARIANT_CODES = {VARIANT: 0, "decode": 1, "gemv": 2, "gemv_mma": 3}
 
@@ -102,9 +109,13 @@ def gemv_variants(dtype) -> tuple:
     return GEMV_VARIANTS if dtype != torch.float32 else ("gemv",)
 
 
-def gemv_fits(num_tokens: int, topk: int) -> bool:
-    """Whether the gemv variant can run this call: at most GEMV_MAX_PAIRS routed pairs."""
-    return num_tokens * topk <= GEMV_MAX_PAIRS
+def gemv_fits(num_tokens: int, topk: int, dim: int = 0, inter_dim: int = 0) -> bool:
+    """Whether the gemv variants can run this call: at most GEMV_MAX_PAIRS routed pairs, and grids under
+    HIP's limit (pairs x inter_dim < GEMV_MAX_GATED_BLOCKS, tokens x model_dim < GEMV_MAX_DOWN_UNITS;
+    dims of 0: not checked)."""
+    pairs = num_tokens * topk
+    return (pairs <= GEMV_MAX_PAIRS and pairs * inter_dim < GEMV_MAX_GATED_BLOCKS
+            and num_tokens * dim < GEMV_MAX_DOWN_UNITS)
 
 
 def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
@@ -118,12 +129,12 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
                               tokens=tuning_db.bucket(num_tokens))
     if choice is None:
         bm = default_block_m(num_tokens, topk, num_experts, dtype)
-        return choose_variant(num_tokens, topk, dtype, bm, num_experts), bm
+        return choose_variant(num_tokens, topk, dtype, bm, num_experts, dim, inter_dim), bm
     # An empty block_m is the variant's default (the loader has checked any other against the dtype).
     bm = choice.params.get("block_m") or default_block_m(num_tokens, topk, num_experts, dtype)
     if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
         return VARIANT, bm
-    if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):  # a gemv row's block_m only
+    if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk, dim, inter_dim):  # a gemv row's block_m only
         return VARIANT, default_block_m(num_tokens, topk, num_experts, dtype)  # names its module
     return choice.variant, bm
 
@@ -135,15 +146,15 @@ def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_di
 
 
 def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: int = 8,
-                   num_experts: int | None = None) -> str:
+                   num_experts: int | None = None, dim: int = 0, inter_dim: int = 0) -> str:
     """The variant for variant=None without a database row (or with block_m given). Measured on the
     H100 (csrc_hip/fused_moe/NOTES.md): "gemv" where it fits and the pairs are at most half the
     experts (most experts then get one pair: 1 token x top-8 of 256, 37 us against decode's 46; but 8
     tokens x top-2 of 8, where each expert's rows are read by two pairs, 1440 against 820-875); else
     "decode" for 16-bit types where it fits (decode_fits), else "grouped" (float32 was faster grouped
     than decode: 107 against 120 us). Without num_experts (launch_choice when the caller gives
-    block_m, a parameter of the tiled GEMMs) never "gemv"."""
-    if gemv_fits(num_tokens, topk) and num_experts is not None and 2 * num_tokens * topk <= num_experts:
+    block_m, a parameter of the tiled GEMMs) never "gemv"; dim / inter_dim as gemv_fits takes them."""
+    if gemv_fits(num_tokens, topk, dim, inter_dim) and num_experts is not None and 2 * num_tokens * topk <= num_experts:
         return "gemv"
     return "decode" if decode_fits(num_tokens, topk, block_m) and dtype != torch.float32 else VARIANT
 
@@ -204,9 +215,11 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
                              f"{num_tokens} x {topk}; use variant='grouped' or None")
         if variant == "decode" and block_m is not None and block_m > DECODE_MAX_BLOCK_M:
             raise ValueError(f"variant='decode' takes block_m up to {DECODE_MAX_BLOCK_M}, got {block_m}")
-        if variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk):
-            raise ValueError(f"variant={variant!r} takes at most {GEMV_MAX_PAIRS} routed pairs (tokens x topk), got "
-                             f"{num_tokens} x {topk}; use variant='grouped' or None")
+        if variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk, dim, inter):
+            raise ValueError(f"variant={variant!r} takes at most {GEMV_MAX_PAIRS} routed pairs (tokens x topk), fewer "
+                             f"than {GEMV_MAX_GATED_BLOCKS} pairs x inter_dim and {GEMV_MAX_DOWN_UNITS} tokens x "
+                             f"model_dim, got {num_tokens} x {topk} pairs, inter_dim {inter}, model_dim {dim}; use "
+                             "variant='grouped' or None")
         if variant in GEMV_VARIANTS and variant not in gemv_variants(dtype):
             raise ValueError(f"variant={variant!r} takes float16 or bfloat16 (matrix cores), got float32; use "
                              "variant='gemv' or None")
@@ -325,6 +338,11 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     if hidden_states.shape[0] == 0:
         return
     _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
+    # Blocks write out while others still read the inputs: out may be hidden_states itself (every variant
+    # has read all of it before the first output is written), nothing else.
+    inputs = dict(w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    check_no_overlap("out", out, "hidden_states", hidden_states=hidden_states, **inputs,
+                     **({} if expert_map is None else {"expert_map": expert_map}))
     variant, block_m = launch_choice(hidden_states.get_device(), hidden_states.shape[0], hidden_states.shape[1],
                                      w2.shape[2], _routed_experts(w1, expert_map), topk_ids.shape[1],
                                      hidden_states.dtype, block_m, variant)

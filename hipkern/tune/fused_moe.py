@@ -80,14 +80,14 @@ class FusedMoeTuner:
     def heuristic(self, s, info=None) -> Candidate:  # the same on every GPU
         dtype = DTYPES[s["dtype"]]
         bm = default_block_m(s["tokens"], s["topk"], s["num_experts"], dtype)
-        variant = choose_variant(s["tokens"], s["topk"], dtype, bm, s["num_experts"])
+        variant = choose_variant(s["tokens"], s["topk"], dtype, bm, s["num_experts"], s["model_dim"], s["inter_dim"])
         return Candidate.of(variant, block_m=8 if variant == "gemv" else bm)
 
     def candidates(self, s, info) -> Pruned:
         first = self.heuristic(s, info)
         rest = [Candidate.of(v, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])
                 for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b)]
-        if gemv_fits(s["tokens"], s["topk"]):
+        if gemv_fits(s["tokens"], s["topk"], s["model_dim"], s["inter_dim"]):
             rest += [Candidate.of(v, block_m=8) for v in gemv_variants(DTYPES[s["dtype"]])]
         return Pruned([first] + [c for c in rest if c != first])
 

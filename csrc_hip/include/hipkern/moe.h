@@ -11,6 +11,15 @@ HK_DEVICE bool moe_pair_kept(int e, int num_experts, const int32_t* expert_map) 
   return (unsigned)e < (unsigned)num_experts && (expert_map == nullptr || expert_map[e] >= 0);
 }
 
+// fused_moe: the pair's local expert (w1's index: expert_map[e], or e without a map) if it is kept and
+// that index lies inside w1's num_local experts, else -1 (dropped, as a remote pair: a map value past
+// w1 is one only validate=True rejects).
+HK_DEVICE int moe_local_expert(int e, int num_experts, const int32_t* expert_map, int num_local) {
+  if (!moe_pair_kept(e, num_experts, expert_map)) return -1;
+  const int le = expert_map != nullptr ? expert_map[e] : e;
+  return (unsigned)le < (unsigned)num_local ? le : -1;
+}
+
 // The pair's expert e if it is kept, else num_experts (the "no expert" key of the sorting paths).
 HK_DEVICE int moe_kept_expert(int e, int num_experts, const int32_t* expert_map) {
   return moe_pair_kept(e, num_experts, expert_map) ? e : num_experts;

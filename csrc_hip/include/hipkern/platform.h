@@ -140,6 +140,16 @@ HK_DEVICE void spin_until_at_least(const int* flag, int target) {
   __threadfence();
 }
 
+// Every thread, after its stores of what the block then publishes (a barrier, then one thread's fence and
+// atomic): on CUDA that thread's fence is cumulative through the barrier, so nothing is needed here; on
+// CDNA a barrier does not wait for the other waves' stores (s_barrier waits for LDS counters only) and a
+// fence orders only its own wave's, so every wave fences its own stores first.
+HK_DEVICE void fence_before_publish() {
+#if !(defined(HK_PLATFORM_CUDA) && defined(__CUDA_ARCH__))
+  __threadfence();
+#endif
+}
+
 // Every thread of a block, once its stores of what the block publishes are issued: counts the block's
 // arrival on *counter and tells every thread whether it was the n-th, the last (through *slot, shared
 // memory). A release of the block's stores; for the last, an acquire of what the others released, so
@@ -158,7 +168,7 @@ HK_DEVICE bool block_arrive_last(int* counter, int n, int* slot) {
   __syncthreads();
   return *slot;
 #else
-  __threadfence();
+  fence_before_publish();
   __syncthreads();
   if (threadIdx.x == 0) *slot = atomicAdd(counter, 1) == n - 1;
   __syncthreads();
