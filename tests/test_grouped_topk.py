@@ -66,6 +66,38 @@ def _check(x, bias, k, g, tg, w, ids, scoring="sigmoid", renormalize=True, scale
     exact = ~near
     torch.testing.assert_close(ids[exact], ref_ids[exact], rtol=0, atol=0)
     assert checkAllclose(w[exact], ref_w[exact], rtol=RTOL, atol=ATOL) == 0
+    if near.any():
+        _check_near_rows(b[near], gs[near], ids[near].long(), k, g, tg)
+
+
+def _noise(v):
+    return 1e-6 + 1e-5 * v.abs()
+
+
+def _check_near_rows(b, gs, ids, k, g, tg):
+    """Rows with a near-tie: the ids need not be the reference's, but they must be a top-k that float32
+    noise allows. Every valid choice keeps the groups clearly above the first dropped one ("must") and
+    only groups within noise of the last kept one ("may"); so each id lies in a "may" group, its score
+    is within noise of the k-th best over the "must" groups or above it, and every expert of a "must"
+    group clearly above the k-th best over the "may" groups is chosen."""
+    e = b.shape[1]
+    ordered = gs.sort(dim=1, descending=True).values
+    last_kept = ordered[:, tg - 1:tg]
+    may = gs >= last_kept - _noise(last_kept)
+    if tg < g:
+        first_dropped = ordered[:, tg:tg + 1]
+        must = gs > first_dropped + _noise(first_dropped)
+    else:
+        must = torch.ones_like(may)
+    per_expert = lambda groups: groups.repeat_interleave(e // g, dim=1)  # noqa: E731
+    assert per_expert(may).gather(1, ids).all(), "an id outside every group a valid choice could keep"
+    kth = lambda groups: b.masked_fill(~per_expert(groups), float("-inf")).topk(k, dim=1).values[:, -1:]  # noqa: E731
+    low, high = kth(must), kth(may)
+    picked = b.gather(1, ids)
+    assert (picked >= low - _noise(low).nan_to_num(posinf=0.0)).all(), "an id clearly under the k-th score"
+    clearly_in = per_expert(must) & (b > high + _noise(high))
+    chosen = torch.zeros_like(clearly_in).scatter_(1, ids, True)
+    assert (chosen | ~clearly_in).all(), "an expert clearly inside the top k was left out"
 
 
 def _topks(e, g, tg):  # 12 and 16: several slots a lane on random data (not only on all-ties rows)

@@ -37,7 +37,7 @@ def _check(ids, e, bm, res, expert_map=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("e", [8, 64, 256, 257, 1024])
-@pytest.mark.parametrize("bm", [1, 16, 64, 128])
+@pytest.mark.parametrize("bm", [1, 8, 16, 32, 64, 128])
 def test_matches_reference(e, bm):
     torch.manual_seed(e + bm)
     for t in (0, 1, 3, 32, 129, 2048):
@@ -130,12 +130,19 @@ def test_skewed_routing(t, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k,e", [(1, 8, 256), (129, 8, 256), (20000, 8, 256), (300, 2, 9)])
-def test_expert_map_with_half_the_experts_remote(t, k, e):
+@pytest.mark.parametrize("local_order", ["ascending", "permuted"])
+def test_expert_map_with_half_the_experts_remote(t, k, e, local_order):
+    """Half the experts local; their local ids ascending with the global ids, or a random permutation
+    of them (blocks still follow the global expert order, each labelled with its local id)."""
     torch.manual_seed(t)
     ids = _routing(t, k, e)
     local = torch.randperm(e, device="cuda")[: e // 2]
     expert_map = torch.full((e,), -1, device="cuda", dtype=torch.int32)
-    expert_map[local.sort().values] = torch.arange(e // 2, device="cuda", dtype=torch.int32)
+    local_ids = torch.arange(e // 2, device="cuda", dtype=torch.int32)
+    if local_order == "permuted":
+        local_ids = local_ids[torch.randperm(e // 2, device="cuda")]
+        assert e // 2 < 2 or not torch.equal(local_ids, local_ids.sort().values)
+    expert_map[local.sort().values] = local_ids
     res = _run(ids, e, 32, expert_map)
     _check(ids, e, 32, res, expert_map)
     kept = res[0][res[0] < ids.numel()].long()
@@ -236,9 +243,10 @@ def test_zero_tokens():
 @pytest.mark.parametrize("t", [64, 4096])  # one-block and multi-block paths
 def test_deterministic(t):
     ids = torch.randint(0, 256, (t, 8), device="cuda", dtype=torch.int32)
-    first = hipkern.moe_sorting(ids, 256, 64)
+    first = _run(ids, 256, 64)
+    _check(ids, 256, 64, first)
     for _ in range(10):
-        again = hipkern.moe_sorting(ids, 256, 64)
+        again = _run(ids, 256, 64)  # into poisoned outputs
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
