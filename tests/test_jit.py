@@ -152,6 +152,17 @@ def test_key_covers_headers_below_the_sources_and_not_the_cache_s_place(jit_dir,
     assert jit.module_key(tiny_spec(tiny_root), "gfx942", one) == jit.module_key(tiny_spec(tiny_root), "gfx942", two)
 
 
+def test_rdna_archs_are_refused_with_a_clear_error():
+    """The HIP kernels assume CDNA's 64-lane waves and MFMA (mma.h): an RDNA arch (32-lane waves) is a
+    JitError naming it before any compile, not a static_assert deep in a kernel."""
+    from hipkern.jit.toolchain import Toolchain
+    tc = Toolchain("rocm", "/opt/clang", "v", rocm_path="/usr")
+    assert "--offload-arch=gfx942" in tc.command("gfx942", ["a.hip"], "a.so", [], {})
+    for arch in ("gfx1100", "gfx1030", "gfx1201"):
+        with pytest.raises(jit.JitError, match=f"arch {arch} has 32-lane waves"):
+            tc.command(arch, ["a.hip"], "a.so", [], {})
+
+
 def test_the_host_compiler_is_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch):
     """nvcc builds a module's host code with the g++ on PATH: another g++ is another module."""
     from hipkern.jit import toolchain

@@ -36,6 +36,9 @@ class Toolchain:
     extra_tools: tuple = ()
 
     def command(self, arch: str, sources, out: str, include_dirs, defines: dict) -> list[str]:
+        if self.platform == "rocm" and wave_size_of(arch) != 64:
+            raise JitError(f"arch {arch} has 32-lane waves (RDNA): hipkern's HIP kernels are written for CDNA's "
+                           "64-lane waves and MFMA matrix cores (gfx942, MI300); RDNA is not supported")
         d = [f"-D{k}={v}" for k, v in sorted(defines.items())] + [f"-DHK_WAVE_SIZE={wave_size_of(arch)}"]
         inc = [f"-I{p}" for p in include_dirs]
         if self.platform == "cuda":
