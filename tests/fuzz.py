@@ -176,7 +176,7 @@ def draw_moe(rng):
     else:
         d, i = 64, 64
     gemv = list(M.gemv_variants(DT[dtype]))
-    variant = rng.choice([None, M.VARIANT] + ["decode"] * (t * k <= M.DECODE_MAX_PAIRS) + gemv * M.gemv_fits(t, k))
+    variant = rng.choice([None, M.VARIANT] + ["decode"] * (t * k <= M.DECODE_MAX_PAIRS) + gemv * M.gemv_fits(t, k, d, i))
     bms = [b for b in M.block_ms_for(DT[dtype]) if variant != "decode" or b <= M.DECODE_MAX_BLOCK_M]
     return dict(dtype=dtype, tokens=t, model_dim=d, inter_dim=i, experts=e, topk=k, routing=rng.choice(ROUTINGS),
                 remote=remote, n_local=n_local, variant=variant, block_m=rng.choice([None] + bms),

@@ -224,12 +224,14 @@ def test_weights_over_2_pow_31_elements_read_at_the_far_end():
     emap[2 * e - 1], emap[3] = e - 1, e - 2  # global 2E-1 -> the last local expert
     mapped = torch.tensor([[2 * e - 1, 3], [3, 5], [2 * e - 1, 0], [9, 11], [3, 2 * e - 1]], dtype=torch.int32,
                           device="cuda")
-    for variant in (None,) + gemv_variants(dtype):
-        run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), ids, variant=variant)
-        run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), mapped, expert_map=emap,
-                      variant=variant)
-    del w1, w2
-    torch.cuda.empty_cache()
+    try:
+        for variant in (None,) + gemv_variants(dtype):
+            run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), ids, variant=variant)
+            run_and_check(make_tokens(5, d, dtype), w1, w2, routing_weights(5, 2), mapped, expert_map=emap,
+                          variant=variant)
+    finally:  # 27 GB: not left to the next tests, pass or fail
+        del w1, w2
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
@@ -531,6 +533,7 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     x, w = make_tokens(t, d, dtype, seed=t), routing_weights(t, k, seed=t)
     ids = uniform_ids(t, k, e, seed=t)
     ids[0] = torch.arange(e_local, e_local + k, dtype=torch.int32, device="cuda")  # every pair mapped past w1
+    w[0, 0], w[0, 1] = math.inf, math.nan  # a dropped pair's weight is never used (weight x 0 would be NaN)
     ref_map = torch.where(emap >= e_local, -1, emap)  # what the kernels must do with them: drop the pair
     out = poison(torch.empty_like(x))
     hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
@@ -564,6 +567,7 @@ def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant
     ids[-1, 1] = e + 1
     if t > 2:
         ids[1, 3] = -5
+    w = torch.where((ids >= 0) & (ids < e), w, math.inf)  # a dropped pair's weight is never used
     out = poison(torch.empty_like(x))
     hipkern.fused_moe(x, buf1[:e], buf2[:e], w, ids, expert_map=emap, variant=variant, out=out)
     ref = reference(x, w1, w2, w, ids, expert_map=emap)
@@ -1245,8 +1249,13 @@ def test_gemv_runs_only_grids_hip_runs():
     nor the heuristic) and a forced one is a ValueError naming both dimensions, before any launch."""
     import importlib
 
+    import re
+
     op = importlib.import_module("hipkern.ops.fused_moe")
-    assert op.GEMV_MAX_GATED_BLOCKS * 256 == 2**32 and op.GEMV_MAX_DOWN_UNITS * 64 == 2**32
+    cfg = (pathlib.Path(__file__).resolve().parents[1] / "csrc_hip" / "fused_moe" / "gemv.h").read_text()
+    gated, down = (int(re.search(rf"constexpr int {n} = (\d+);", cfg).group(1)) for n in ("kGatedThreads", "kDownThreads"))
+    # a down block of kDownThreads threads covers kDownThreads / 64 units on 64-lane waves
+    assert op.GEMV_MAX_GATED_BLOCKS * gated == 2**32 and op.GEMV_MAX_DOWN_UNITS * 64 == 2**32 and down == 256
     assert op.gemv_fits(4, 8, 7168, 2**19 - 1) and not op.gemv_fits(4, 8, 7168, 2**19)
     assert op.gemv_fits(32, 1, 2**21 - 1, 256) and not op.gemv_fits(32, 1, 2**21, 256)
     assert op.choose_variant(1, 8, torch.bfloat16, 8, 256, 7168, 256) == "gemv"

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from hipkern.testing import BenchTable, checkAllclose, perftest, poison, rows_scaled, run_perftest
+from hipkern.testing import BenchTable, checkAllclose, l2_bytes, perftest, poison, rows_scaled, run_perftest
 
 
 @pytest.fixture(autouse=True)
@@ -254,13 +254,14 @@ def test_run_perftest_times_the_device_not_the_host():
 
 @pytest.mark.gpu
 def test_run_perftest_flush_times_reads_from_memory_not_l2():
-    """With one copy of a 16 MB input (it fits the H100's 50 MB L2), no rotation leaves it in L2 between
-    calls; max_copies=1 with the default target flushes L2 before each call instead, so the same read
-    takes longer (HBM at ~3 TB/s against L2's several)."""
-    x = torch.ones(4 << 20, device="cuda")  # 16 MB
+    """With one copy of an input of a quarter of the cache (l2_bytes: 12.5 MB of the H100's / H200's 50 MB
+    L2), no rotation leaves it cached between calls; max_copies=1 with the default target flushes the
+    cache before each call instead, so the same read takes longer (H100 / H200 memory at 3.0 / 4.8 TB/s
+    against L2's several; the H200 measured > 1.15x)."""
+    x = torch.ones(l2_bytes() // 16, device="cuda")
     _, warm = run_perftest(torch.sum, x, num_iters=50, num_warmup=5, rotate_bytes=0)
     _, flushed = run_perftest(torch.sum, x, num_iters=50, num_warmup=5, max_copies=1)
-    assert flushed > 1.15 * warm, f"flushed {flushed:.2f} us against warm {warm:.2f} us"
+    assert flushed > 1.1 * warm, f"flushed {flushed:.2f} us against warm {warm:.2f} us"
 
 
 def test_run_perftest_rejects_no_iters():

@@ -17,7 +17,7 @@
 // kernel (griddep_wait) before they read inter.
 //
 // Pairs that share an expert read its rows once each: the blocks doing so run side by side (pair
-// fastest in the grid), so the second read mostly hits L2. Dropped pairs (moe_pair_kept) cost a
+// fastest in the grid), so the second read mostly hits L2. Dropped pairs (moe_local_expert) cost a
 // block that exits at once and nothing in the down sum.
 // Variant "gemv_mma" (16-bit types) runs both phases on matrix cores with the pairs of one expert
 // together, so an expert's rows are streamed once however many pairs it serves: gemv_gated_mma_kernel

@@ -52,13 +52,18 @@ def _byte_span(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape and the same strides where they matter (dimensions of more than one element)."""
+    return a.shape == b.shape and all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
 def check_no_overlap(name: str, out: torch.Tensor, alias_ok: str | None = None, /, **inputs) -> None:
     """Raise ValueError unless `out` shares no memory with any of `inputs`; the input named `alias_ok`
-    may also be exactly `out` (same address and strides: an in-place call). Addresses only, so it runs
-    at launch, never while tracing."""
+    may also be exactly `out` (same address, shape and strides, strides of one-element dimensions aside:
+    an in-place call). Addresses only, so it runs at launch, never while tracing."""
     lo, hi = _byte_span(out)
     for other, t in inputs.items():
-        if other == alias_ok and t.data_ptr() == out.data_ptr() and t.stride() == out.stride():
+        if other == alias_ok and t.data_ptr() == out.data_ptr() and _same_layout(t, out):
             continue
         a, b = _byte_span(t)
         if lo < b and a < hi:

@@ -39,7 +39,8 @@ DECODE_MAX_BLOCK_M = 64
 GEMV_MAX_PAIRS = 32
 # gemv's grids (gemv.h launch_gemv): a gated block of 256 threads a (pair, inter_dim row), a down block of
 # 256 threads a kDownThreads / wave tokens x model_dim units. HIP runs a grid of 2^32 threads or more
-# wrongly (hipkern/launch.h threads_fit), so gemv takes calls under both bounds (at 64-lane waves).
+# wrongly (csrc_hip/include/hipkern/launch.h threads_fit), so gemv takes calls under both bounds (at 64-lane
+# waves) on every platform.
 GEMV_MAX_GATED_BLOCKS = 1 << 24
 GEMV_MAX_DOWN_UNITS = 1 << 26
 ROUTE_MAX_PAIRS = 256  # the grouped GEMMs route in their blocks up to this many pairs (route.h kRoutePairs)
@@ -414,8 +415,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         activation: "silu" or "gelu" (exact erf form).
         expert_map: optional int32 [E_global] for expert parallelism: each expert's index into w1/w2
             (whose first dim is then the local expert count), or -1 for experts on other GPUs, whose
-            pairs contribute nothing here.
-        out: optional [T, D] tensor of the input dtype, written in place (every element) and returned.
+            pairs contribute nothing here (nor do pairs mapped past w1's experts, undefined without
+            validate: their weights are never read).
+        out: optional [T, D] tensor of the input dtype, written in place (every element) and returned;
+            it may be hidden_states itself, but must share no memory with any other input (ValueError).
         allow_tf32: permission to use TF32 for float32 inputs; the kernels keep float32 accuracy
             either way (no TF32 path yet): FMAs, or at block_m 64 on sm_90 exactly scaled two-term
             fp16 splits on the tensor cores, whose error against float64 is no larger than FMAs'
@@ -428,8 +431,9 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         variant: "grouped" (moe_sorting, two grouped GEMMs, a combine; up to 256 routed pairs the GEMMs
             group the pairs by expert themselves, no moe_sorting launch), "decode" (the same in one
             launch; at most DECODE_MAX_PAIRS routed pairs), "gemv" (two matrix-vector launches that
-            stream the weights into registers; at most GEMV_MAX_PAIRS routed pairs; block_m does not
-            change it), "gemv_mma" (the same with each expert's pairs computed together on matrix
+            stream the weights into registers; at most GEMV_MAX_PAIRS routed pairs, pairs x inter_dim
+            under GEMV_MAX_GATED_BLOCKS and tokens x model_dim under GEMV_MAX_DOWN_UNITS (gemv_fits);
+            block_m does not change it), "gemv_mma" (the same with each expert's pairs computed together on matrix
             cores; float16 / bfloat16) or None: with block_m=None the tuning database's choice
             (choose_config), else choose_variant's.
 
