@@ -536,6 +536,9 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     w[0, 0], w[0, 1] = math.inf, math.nan  # a dropped pair's weight is never used (weight x 0 would be NaN)
     ref_map = torch.where(emap >= e_local, -1, emap)  # what the kernels must do with them: drop the pair
     out = poison(torch.empty_like(x))
+    # the grouped chain's y rows from a NaN-filled block: a dropped pair's row is never written, so a combine
+    # that summed it would read NaN (the old combine did)
+    poison_next_alloc(x.device, ((t * k, d), torch.float32))
     hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
     ref = reference(x, w1, w2, w, ids, expert_map=ref_map)
     assert checkAllclose(out, ref, msg=f"{variant} T={t} ", **TOL[dtype]) == 0
