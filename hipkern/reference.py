@@ -56,24 +56,29 @@ def paged_attention_ref(query, key_cache, value_cache, block_tables, context_len
 
 
 def grouped_topk_scores_ref(gating_logits, correction_bias, num_expert_group, scoring="sigmoid",
-                            dtype=torch.float64):
+                            dtype=torch.float64, group_scoring="top2"):
     """The scores grouped_topk ranks, in `dtype`: (s [T, E] unbiased, b [T, E] = s + bias,
-    group_scores [T, G] = the sum of each group's two largest b, or its only b)."""
+    group_scores [T, G] = the sum of each group's two largest b, or its only b; with group_scoring "max"
+    each group's largest b)."""
     x = gating_logits.to(dtype)
     s = torch.sigmoid(x) if scoring == "sigmoid" else torch.softmax(x, dim=-1)
     b = s if correction_bias is None else s + correction_bias.to(dtype)
     t, e = b.shape
     per_group = e // num_expert_group
-    top = b.view(t, num_expert_group, per_group).topk(min(2, per_group), dim=-1).values
-    return s, b, top.sum(dim=-1)
+    groups = b.view(t, num_expert_group, per_group)
+    if group_scoring == "max":
+        return s, b, groups.amax(dim=-1)
+    return s, b, groups.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
 
 
 def grouped_topk_ref(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring="sigmoid",
-                     renormalize=True, routed_scaling_factor=1.0, dtype=torch.float64):
+                     renormalize=True, routed_scaling_factor=1.0, dtype=torch.float64, group_scoring="top2"):
     """DeepSeek-V3 routing in `dtype`: keep the topk_group groups of largest group score, then the topk
     largest b among their experts (stable descending sorts: ties go to the lower index); weights are
-    the chosen s, renormalised, times routed_scaling_factor. Returns (weights float32, ids int32)."""
-    s, b, group_scores = grouped_topk_scores_ref(gating_logits, correction_bias, num_expert_group, scoring, dtype)
+    the chosen s, renormalised, times routed_scaling_factor (groups scored as grouped_topk_scores_ref's
+    group_scoring). Returns (weights float32, ids int32)."""
+    s, b, group_scores = grouped_topk_scores_ref(gating_logits, correction_bias, num_expert_group, scoring, dtype,
+                                                 group_scoring)
     t, e = b.shape
     kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
     group_mask = torch.zeros(t, num_expert_group, dtype=torch.bool, device=b.device).scatter_(1, kept, True)

@@ -38,13 +38,13 @@ def _near(sorted_desc, width):
     return ((gaps > 0) & (gaps < 1e-6 + 1e-5 * top[:, 1:].abs())).any(dim=1)
 
 
-def _check(x, bias, k, g, tg, w, ids, scoring="sigmoid", renormalize=True, scale=1.0):
+def _check(x, bias, k, g, tg, w, ids, scoring="sigmoid", renormalize=True, scale=1.0, group_scoring="top2"):
     """Weights are the scores at the returned ids; ids equal the float64 reference's wherever the
     group boundary and the top k+1 selection scores have no near-tie (distinct but within float32
     noise); exact ties follow the tie rule on both sides and must agree."""
     t, e = x.shape
-    s, b, gs = grouped_topk_scores_ref(x, bias, g, scoring)
-    ref_w, ref_ids = grouped_topk_ref(x, bias, k, g, tg, scoring, renormalize, scale)
+    s, b, gs = grouped_topk_scores_ref(x, bias, g, scoring, group_scoring=group_scoring)
+    ref_w, ref_ids = grouped_topk_ref(x, bias, k, g, tg, scoring, renormalize, scale, group_scoring=group_scoring)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     if t == 0:
         return
@@ -108,15 +108,17 @@ def _topks(e, g, tg):  # 12 and 16: several slots a lane on random data (not onl
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("e,g,tg", CONFIGS)
-def test_matches_reference(dtype, scoring, e, g, tg):
+@pytest.mark.parametrize("group_scoring", ["top2", "max"])
+def test_matches_reference(dtype, scoring, e, g, tg, group_scoring):
     torch.manual_seed(e * 131 + g * 7 + tg)
     for t in (1, 3, 129):
         for k in _topks(e, g, tg):
             for bias in (None, _bias(e)):
                 renorm, scale = (True, 1.0) if k % 2 else (False, 2.5)
                 x = _logits(t, e, dtype)
-                w, ids = _run(x, bias, k, g, tg, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale)
-                _check(x, bias, k, g, tg, w, ids, scoring, renorm, scale)
+                w, ids = _run(x, bias, k, g, tg, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale,
+                              group_scoring=group_scoring)
+                _check(x, bias, k, g, tg, w, ids, scoring, renorm, scale, group_scoring)
 
 
 @pytest.mark.gpu
@@ -149,21 +151,22 @@ def test_a_million_tokens():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("e,g,tg,k", [(256, 8, 4, 8), (64, 4, 2, 9), (512, 64, 8, 16), (257, 1, 1, 8)])
-def test_exact_ties_follow_the_index_rule(dtype, scoring, e, g, tg, k):
+@pytest.mark.parametrize("group_scoring", ["top2", "max"])
+def test_exact_ties_follow_the_index_rule(dtype, scoring, e, g, tg, k, group_scoring):
     """Equal logits and biases in multiples of 1/8: every score, sum and comparison is exact in float32
     and float64 alike, with many equal selection scores and equal group scores."""
     torch.manual_seed(11)
     x = torch.zeros(257, e, device="cuda", dtype=dtype)
     bias = torch.randint(0, 4, (e,), device="cuda").float() / 8
-    w, ids = _run(x, bias, k, g, tg, scoring=scoring)
-    ref_w, ref_ids = grouped_topk_ref(x, bias, k, g, tg, scoring)
+    w, ids = _run(x, bias, k, g, tg, scoring=scoring, group_scoring=group_scoring)
+    ref_w, ref_ids = grouped_topk_ref(x, bias, k, g, tg, scoring, group_scoring=group_scoring)
     assert torch.equal(ids, ref_ids)
     assert checkAllclose(w, torch.full_like(w, 1.0 / k), rtol=RTOL, atol=ATOL) == 0
     # Integer logits without bias: ties inside and across groups, scores far apart otherwise.
     x = torch.randint(0, 3, (257, e), device="cuda").to(dtype)
     x[7] = 1.0  # a row of all-equal logits: the first groups, then the first experts, win
-    w, ids = _run(x, None, k, g, tg, scoring=scoring)
-    ref_w, ref_ids = grouped_topk_ref(x, None, k, g, tg, scoring)
+    w, ids = _run(x, None, k, g, tg, scoring=scoring, group_scoring=group_scoring)
+    ref_w, ref_ids = grouped_topk_ref(x, None, k, g, tg, scoring, group_scoring=group_scoring)
     assert torch.equal(ids, ref_ids)
     assert torch.equal(ids[7].cpu(), torch.arange(k, dtype=torch.int32))
     assert checkAllclose(w, ref_w, rtol=RTOL, atol=ATOL) == 0
@@ -176,6 +179,10 @@ def test_group_ties_keep_the_lower_group():
     w, ids = _run(x, None, 4, 4, 2)  # groups 1, 2, 3 tie: 1 and 2 are kept
     assert ids.tolist() == [[4, 5, 8, 9]] * 5
     assert checkAllclose(w, torch.full_like(w, 0.25)) == 0
+    x[:, 4] = 2.5  # group 1 leads; by their maxima groups 2 and 3 tie (2 kept), by top-2 sums as well
+    for group_scoring in ("top2", "max"):
+        w, ids = _run(x, None, 3, 4, 2, group_scoring=group_scoring)
+        assert ids.tolist() == [[4, 5, 8]] * 5
 
 
 @pytest.mark.gpu
@@ -283,6 +290,8 @@ B16 = torch.zeros(16)
     ((_cpu(), B16, 2, 4, 2), {"routed_scaling_factor": 10**400}, "routed_scaling_factor must be a float finite"),
     ((_cpu(), B16, 2, 4, 2), {"routed_scaling_factor": "2"}, "routed_scaling_factor must be a float finite"),
     ((_cpu(), B16, 2, 4, 2), {"scoring": ["sigmoid"]}, "scoring must be one of 'sigmoid', 'softmax'"),
+    ((_cpu(), B16, 2, 4, 2), {"group_scoring": "sum"}, "group_scoring must be one of 'top2', 'max'"),
+    ((_cpu(), B16, 2, 4, 2), {"group_scoring": None}, "group_scoring must be one of 'top2', 'max'"),
     ((_cpu(4, 600), None, 2, 1, 1), {}, "gating_logits must have 1..512 experts"),
     ((_cpu(4, 0), None, 1, 1, 1), {}, "gating_logits must have 1..512 experts"),
     ((_cpu()[0], B16, 1, 1, 1), {}, "gating_logits must have 2 dimensions"),
@@ -323,6 +332,11 @@ def test_reference_on_a_hand_computed_case():
     assert ids.tolist() == [[4, 1, 0]]
     p = torch.exp(x.double()[0, [4, 1, 0]])
     assert torch.allclose(w[0].double(), p / p.sum(), rtol=1e-6)
+    # Groups scored by their largest score (DeepSeek-V2): g0 3.0, g1 1.0, g2 4.0, g3 2.0 keep g2 and g0
+    # (where the top-2 sums kept g3 and g1): experts 4, 1, 0.
+    w, ids = grouped_topk_ref(x, None, 3, 4, 2, group_scoring="max")
+    assert ids.tolist() == [[4, 1, 0]]
+    assert grouped_topk_scores_ref(x, None, 4, group_scoring="max")[2].tolist() == [[s[1], s[2], s[4], s[6]]]
     # One expert per group: a group scores its only expert; all groups kept equals a plain top-k.
     w, ids = grouped_topk_ref(x, None, 2, 8, 3)
     assert ids.tolist() == [[4, 1]]
@@ -344,6 +358,8 @@ def test_fake_impl_gives_the_output_shapes_without_a_gpu():
         assert w.shape == (5, 8) and w.dtype == torch.float32 and ids.dtype == torch.int32
         with pytest.raises(ValueError, match="num_expert_group must divide"):
             torch.ops.hipkern.grouped_topk(x, None, 8, 7, 4, "sigmoid", True, 1.0)
+        w, ids = torch.ops.hipkern.grouped_topk(x, None, 8, 8, 4, "softmax", True, 1.0, "max")
+        assert w.shape == (5, 8)
 
 
 @pytest.mark.gpu
@@ -356,11 +372,15 @@ def test_direct_op_calls_are_validated_before_any_launch():
     w = torch.full((1, 8), 7.0, device="cuda")
     ids = torch.full((1, 8), 7, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"out\[0\] \(weights\) must have shape \(1000, 8\)"):
-        torch.ops.hipkern.grouped_topk_out(x, None, 8, 8, 4, "sigmoid", True, 1.0, w, ids)
+        torch.ops.hipkern.grouped_topk_out(x, None, 8, 8, 4, "sigmoid", True, 1.0, "top2", w, ids)
     with pytest.raises(ValueError, match="gating_logits must be contiguous"):
         torch.ops.hipkern.grouped_topk(torch.randn(256, 1000, device="cuda").t(), None, 8, 8, 4, "sigmoid", True, 1.0)
     with pytest.raises(ValueError, match="gating_logits must be one of"):
         torch.ops.hipkern.grouped_topk(x.double(), None, 8, 8, 4, "sigmoid", True, 1.0)
+    with pytest.raises(ValueError, match="group_scoring must be one of"):
+        torch.ops.hipkern.grouped_topk(x, None, 8, 8, 4, "sigmoid", True, 1.0, "mean")
+    with pytest.raises(ValueError, match="group_scoring must be one of"):
+        torch.ops.hipkern.grouped_topk_out(x, None, 8, 8, 4, "sigmoid", True, 1.0, "mean", w, ids)
     torch.cuda.synchronize()
     assert bool((w == 7.0).all() and (ids == 7).all())
 
@@ -372,7 +392,7 @@ def test_out_overlapping_the_inputs_or_each_other_is_rejected():
         with pytest.raises(ValueError, match=match):
             hipkern.grouped_topk(x, None, 8, 1, 1, out=out)
         with pytest.raises(ValueError, match=match):
-            torch.ops.hipkern.grouped_topk_out(x, None, 8, 1, 1, "sigmoid", True, 1.0, *out)
+            torch.ops.hipkern.grouped_topk_out(x, None, 8, 1, 1, "sigmoid", True, 1.0, "top2", *out)
     bias = torch.zeros(8, device="cuda")
     ids = torch.empty(64, 8, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"out\[1\] \(ids\) must not overlap correction_bias"):

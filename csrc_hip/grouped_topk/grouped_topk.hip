@@ -2,7 +2,8 @@
 //
 // Per token (row of E logits): s = sigmoid(x) (or softmax over the row), b = s + bias (selection
 // only). The E experts form G groups of S = E / G consecutive experts; a group scores the sum of
-// its top-2 b (its only b when S == 1); the topk_group best groups are kept; the topk best b of the
+// its top-2 b (its only b when S == 1), or its largest b (kGroupMax: DeepSeek-V2, vLLM without a
+// bias); the topk_group best groups are kept; the topk best b of the
 // kept experts are chosen; their weights are s, renormalised to sum 1 (optional), times `scale`.
 //
 // Mapping: like topk_softmax, one row per group of TPR lanes (a power of two <= the wave size);
@@ -33,6 +34,7 @@ constexpr int kMaxGroups = 64;  // the kept-group mask is 64 bits
 constexpr int kMagicShift = 20;  // floor(e / S) == (e * magic) >> 20 for e < 1024, S <= 512
 
 enum Scoring : int { kSigmoid = 0, kSoftmax = 1 };
+enum GroupScoring : int { kGroupTop2 = 0, kGroupMax = 1 };
 
 struct Args {
   const void* logits;
@@ -48,6 +50,7 @@ struct Args {
   uint32_t group_magic;  // ceil(2^20 / group_size)
   int lanes_per_group;   // set per TPR by launch()
   int scoring;
+  int group_scoring;
   bool renormalize;
   float scale;
 };
@@ -107,7 +110,8 @@ HK_DEVICE uint64_t kept_groups(const Args& a, const float* row_b, uint32_t* row_
       t2 = t2 > o2 ? t2 : o2;
       t2 = t2 > lo ? t2 : lo;
     }
-    if (live && gi < G && sub == 0) row_g[gi] = ordered_key((S > 1 ? t1 + t2 : t1) + 0.f);
+    if (live && gi < G && sub == 0)
+      row_g[gi] = ordered_key((S > 1 && a.group_scoring == kGroupTop2 ? t1 + t2 : t1) + 0.f);
   }
   wave_sync();
   uint64_t mine = 0;  // bits of the groups this lane ranks
@@ -272,11 +276,13 @@ int dispatch_elem(const Args& a, hipStream_t stream) {
 #endif
 
 // logits [num_tokens, num_experts] (contiguous, this module's dtype), bias fp32 [num_experts] or
-// null -> weights fp32 and ids int32 [num_tokens, topk]. scoring: 0 sigmoid, 1 softmax.
+// null -> weights fp32 and ids int32 [num_tokens, topk]. scoring: 0 sigmoid, 1 softmax; group_scoring:
+// 0 the sum of a group's top-2, 1 its largest.
 // Returns 0 or an error code (message: hk_last_error()).
 HK_EXPORT int hk_grouped_topk(const void* logits, const float* bias, float* weights, int32_t* ids,
                               int64_t num_tokens, int num_experts, int topk, int num_groups, int topk_group,
-                              int scoring, int renormalize, float scale, int device, void* stream) {
+                              int scoring, int group_scoring, int renormalize, float scale, int device,
+                              void* stream) {
   using namespace hk::grouped_topk;
   HK_REQUIRE(num_tokens >= 0);
   HK_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts);
@@ -284,10 +290,12 @@ HK_EXPORT int hk_grouped_topk(const void* logits, const float* bias, float* weig
   HK_REQUIRE(topk_group >= 1 && topk_group <= num_groups);
   HK_REQUIRE(topk >= 1 && topk <= kMaxTopK && topk <= topk_group * (num_experts / num_groups));
   HK_REQUIRE(scoring == kSigmoid || scoring == kSoftmax);
+  HK_REQUIRE(group_scoring == kGroupTop2 || group_scoring == kGroupMax);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
   const int S = num_experts / num_groups;
   const Args a{logits, bias, weights, ids, num_tokens, num_experts, topk, num_groups, topk_group, S,
-               (uint32_t)(((1u << kMagicShift) + S - 1) / S), 1, scoring, renormalize != 0, scale};
+               (uint32_t)(((1u << kMagicShift) + S - 1) / S), 1, scoring, group_scoring, renormalize != 0,
+               scale};
   return dispatch_elem<typename hk::elem_of<HK_DTYPE>::type>(a, static_cast<hipStream_t>(stream));
 }

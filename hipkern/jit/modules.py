@@ -69,9 +69,10 @@ MODULE_FAMILIES = {
         "defines": lambda dtype: (("HK_DTYPE", DTYPE_CODES[dtype]),),
         "functions": (
             # logits, bias, weights, ids, num_tokens, num_experts, topk, num_groups, topk_group, scoring,
-            # renormalize, scale, device, stream
+            # group_scoring, renormalize, scale, device, stream
             ("hk_grouped_topk", "i32",
-             ("ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32", "ptr")),
+             ("ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32", "i32",
+              "ptr")),
         ),
     },
     "stream_read": {  # the benchmarks' read floor (hipkern.bench.floor.read_floor_us)
