@@ -1271,6 +1271,30 @@ def test_gemv_runs_only_grids_hip_runs():
         hipkern.fused_moe(x, w1, w2, w, ids, variant="gemv")
 
 
+def test_sizes_the_kernels_index_in_int32_are_checked_before_any_launch():
+    """model_dim and w1's 2 x inter_dim rows must be below 2^31 (past it, ctypes wrapped them negative, and
+    an up row's index wrapped in the gated GEMM's int32 row arithmetic); "decode", whose launcher counts
+    DECODE_MAX_PAIRS m-blocks whatever the call, is neither chosen nor taken where their work items pass
+    int32 (the default fell on it, and its launcher refused)."""
+    import importlib
+
+    op = importlib.import_module("hipkern.ops.fused_moe")
+    x, w, ids = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int32)
+    big = 2**30 + 2**20  # inter_dim: 2 x inter_dim rows past 2^31
+    w1 = torch.empty(1, 2 * big, 8, dtype=torch.bfloat16, device="meta")  # shapes only
+    w2 = torch.empty(1, 8, big, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"2 x inter_dim rows \(2149580800\) must be below 2\^31"):
+        hipkern.fused_moe(x, w1, w2, w, ids)
+    inter = 2**28  # fits int32, but 32 m-blocks x inter_dim / 8 columns reach 2^30
+    assert not op.decode_fits(1, 1, 8, 8, inter) and op.decode_fits(1, 1, 8, 8, 2**28 - 8)
+    assert op.choose_variant(1, 1, torch.bfloat16, 8, None, 8, inter) == "grouped"
+    assert op.choose_variant(1, 1, torch.bfloat16, 8, None, 8, 256) == "decode"
+    w1 = torch.empty(1, 2 * inter, 8, dtype=torch.bfloat16, device="meta")
+    w2 = torch.empty(1, 8, inter, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="variant='decode' takes at most 32 routed pairs .* inter_dim 268435456"):
+        hipkern.fused_moe(x, w1, w2, w, ids, variant="decode")
+
+
 @pytest.mark.gpu
 def test_direct_op_calls_are_validated_before_any_launch():
     x = make_tokens(4, 64, torch.bfloat16)

@@ -593,9 +593,10 @@ def _call(c, **kw):
     ({}, dict(variant="v8"), r"variant must be None or one of \['v16', 'v3', 'v5', 'v6', 'v9', 'v4', 'v7'\]"),
     (dict(query=torch.randn(4097, 8, 128, dtype=torch.bfloat16), block_tables=torch.zeros(4097, 4, dtype=torch.int32),
           context_lens=torch.ones(4097, dtype=torch.int32)), dict(variant="v5"), "v5 supports at most 4096 sequences"),
-    ({}, dict(scale=float("nan")), "scale must be a float finite in float32"),
-    ({}, dict(scale=1e39), "scale must be a float finite in float32"),  # finite in float64, inf in the kernels
-    ({}, dict(scale=10**400), "scale must be a float finite in float32"),
+    ({}, dict(scale=float("nan")), r"scale must be a float with scale \* log2\(e\) finite in float32"),
+    ({}, dict(scale=1e39), "scale must be a float with"),  # finite in float64, inf in the kernels
+    ({}, dict(scale=10**400), "scale must be a float with"),
+    ({}, dict(scale=3e38), "scale must be a float with"),  # finite in float32, but not times log2(e)
     ({}, dict(variant=["v3"]), "variant must be None or a str, got list"),
     (dict(query=torch.randn(2, 0, 128, dtype=torch.bfloat16)), {}, "query must have at least one head"),
     ({}, dict(return_lse=1), "return_lse must be a bool"),
@@ -607,6 +608,27 @@ def test_bad_arguments_raise_value_error(change, kw, match):
         _call(_cpu_case(**change), **kw)
     if "GPU" not in match:  # the bad argument's own check fired, not the last one (CPU tensors' device check)
         assert "must be on a GPU" not in str(err.value), str(err.value)
+
+
+def test_the_registered_op_s_fake_validates_too():
+    """torch.ops.hipkern.paged_attention_decode traced (fake tensors, as torch.compile does) checks its
+    arguments as the Python function does, and its lse, instead of tracing a call that fails later."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(10, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+        bt, cl = torch.empty(2, 4, dtype=torch.int32, device="cuda"), torch.empty(2, dtype=torch.int32, device="cuda")
+        out, lse = torch.empty_like(q), torch.empty(2, 8, device="cuda")
+        torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", "v4", out, lse)
+        with pytest.raises(ValueError, match=r"context_lens must have shape \(2,\)"):
+            torch.ops.hipkern.paged_attention_decode(q, k, k, bt, torch.empty(1, dtype=torch.int32, device="cuda"),
+                                                     0.1, "NHD", "", out, lse)
+        with pytest.raises(ValueError, match=r"lse must have shape \(2, 8\)"):
+            torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", "", out,
+                                                     torch.empty(1, 8, device="cuda"))
+        with pytest.raises(ValueError, match="scale must be a float with"):
+            torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 3e38, "NHD", "", out, lse)
 
 
 def test_empty_cache_and_oversized_tables_rejected():

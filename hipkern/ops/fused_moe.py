@@ -100,9 +100,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_fits(num_tokens: int, topk: int, block_m: int) -> bool:
-    """Whether the decode variant can run this call: at most DECODE_MAX_PAIRS routed pairs, block_m <= DECODE_MAX_BLOCK_M."""
-    return num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
+def decode_fits(num_tokens: int, topk: int, block_m: int, dim: int = 0, inter_dim: int = 0) -> bool:
+    """Whether the decode variant can run this call: at most DECODE_MAX_PAIRS routed pairs, block_m <=
+    DECODE_MAX_BLOCK_M, and its work items in int32 (its launcher counts DECODE_MAX_PAIRS m-blocks by the
+    narrowest column tiles, 8; dims of 0: not checked)."""
+    return (num_tokens * topk <= DECODE_MAX_PAIRS and block_m <= DECODE_MAX_BLOCK_M
+            and DECODE_MAX_PAIRS * -(-max(dim, inter_dim) // 8) < 2**30)
 
 
 def gemv_variants(dtype) -> tuple:
@@ -133,7 +136,7 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
         return choose_variant(num_tokens, topk, dtype, bm, num_experts, dim, inter_dim), bm
     # An empty block_m is the variant's default (the loader has checked any other against the dtype).
     bm = choice.params.get("block_m") or default_block_m(num_tokens, topk, num_experts, dtype)
-    if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm):
+    if choice.variant == "decode" and not decode_fits(num_tokens, topk, bm, dim, inter_dim):
         return VARIANT, bm
     if choice.variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk, dim, inter_dim):  # a gemv row's block_m only
         return VARIANT, default_block_m(num_tokens, topk, num_experts, dtype)  # names its module
@@ -157,7 +160,7 @@ def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: in
     block_m, a parameter of the tiled GEMMs) never "gemv"; dim / inter_dim as gemv_fits takes them."""
     if gemv_fits(num_tokens, topk, dim, inter_dim) and num_experts is not None and 2 * num_tokens * topk <= num_experts:
         return "gemv"
-    return "decode" if decode_fits(num_tokens, topk, block_m) and dtype != torch.float32 else VARIANT
+    return "decode" if decode_fits(num_tokens, topk, block_m, dim, inter_dim) and dtype != torch.float32 else VARIANT
 
 
 def launch_choice(device_index: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int, topk: int, dtype,
@@ -171,7 +174,7 @@ def launch_choice(device_index: int, num_tokens: int, dim: int, inter_dim: int, 
         if variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
             block_m = DECODE_MAX_BLOCK_M
         variant = variant or chosen
-    return variant or choose_variant(num_tokens, topk, dtype, block_m), block_m
+    return variant or choose_variant(num_tokens, topk, dtype, block_m, None, dim, inter_dim), block_m
 
 
 def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None,
@@ -198,6 +201,8 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
     vec = 16 // hidden_states.element_size()
     if dim < 1:
         raise ValueError(f"hidden_states must have at least one column (model_dim), got shape {tuple(hidden_states.shape)}")
+    if dim >= 2**31 or two_i >= 2**31:  # the kernels' int32 sizes and row indices (2 x inter_dim rows of w1)
+        raise ValueError(f"model_dim ({dim}) and w1's 2 x inter_dim rows ({two_i}) must be below 2^31")
     if dim % vec or inter % vec:
         raise ValueError(f"model_dim ({dim}, hidden_states' columns) and inter_dim ({inter}, half of w1's rows) must "
                          f"be multiples of {vec} for {DTYPE_NAMES[dtype]} (16-byte rows)")
@@ -211,9 +216,10 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
     if variant is not None:
         if not isinstance(variant, str) or variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
-        if variant == "decode" and num_tokens * topk > DECODE_MAX_PAIRS:
-            raise ValueError(f"variant='decode' takes at most {DECODE_MAX_PAIRS} routed pairs (tokens x topk), got "
-                             f"{num_tokens} x {topk}; use variant='grouped' or None")
+        if variant == "decode" and not decode_fits(num_tokens, topk, 0, dim, inter):
+            raise ValueError(f"variant='decode' takes at most {DECODE_MAX_PAIRS} routed pairs (tokens x topk) and "
+                             f"model_dim / inter_dim under {2**30 // DECODE_MAX_PAIRS * 8}, got {num_tokens} x {topk} "
+                             f"pairs, model_dim {dim}, inter_dim {inter}; use variant='grouped' or None")
         if variant == "decode" and block_m is not None and block_m > DECODE_MAX_BLOCK_M:
             raise ValueError(f"variant='decode' takes block_m up to {DECODE_MAX_BLOCK_M}, got {block_m}")
         if variant in GEMV_VARIANTS and not gemv_fits(num_tokens, topk, dim, inter):
@@ -349,8 +355,11 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
                                      hidden_states.dtype, block_m, variant)
     if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
         pairs, dim, inter = topk_ids.numel(), hidden_states.shape[1], w2.shape[2]
-        # at most one partial block an expert; routing in the blocks counts a block a pair
+        # at most one partial block an expert; routing in the blocks counts a block a pair; the decode
+        # launcher counts DECODE_MAX_PAIRS m-blocks whatever the call
         mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // block_m) + _routed_experts(w1, expert_map))
+        if variant == "decode":
+            mblocks = DECODE_MAX_PAIRS
         if mblocks * -(-max(dim, inter) // 8) >= 2**30:
             raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
                              f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")

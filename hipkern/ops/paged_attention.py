@@ -341,8 +341,10 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(num_seqs,), gpu=False)
     if not 1 <= num_seqs <= 65535:
         raise ValueError(f"query must hold 1..65535 sequences, got {num_seqs}")
-    if scale is not None and not is_float32(scale):
-        raise ValueError(f"scale must be a float finite in float32 (the kernels' type) or None, got {scale!r}")
+    # the kernels scale scores by scale * log2(e) in float32 (exp2): that product must be finite too
+    if scale is not None and not (is_float32(scale) and is_float32(scale * math.log2(math.e))):
+        raise ValueError(f"scale must be a float with scale * log2(e) finite in float32 (the kernels' type; "
+                         f"|scale| < 2.3e38) or None, got {scale!r}")
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if variant is not None and variant not in VARIANTS:
@@ -429,14 +431,23 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
         mod.check(rc, "paged_attention_decode")
 
 
-def _checked_launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
-    """torch.ops.hipkern.paged_attention_decode called directly (or from a compiled graph): its arguments
-    are validated as the Python function validates them before it launches."""
+def _check_direct(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out,
+                  lse) -> str:
+    """The registered op's arguments checked as the Python function checks them (its lse too); returns
+    the variant with its alias mapped."""
     variant = ALIASES.get(variant, variant)
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, True, variant or None)
     if lse.numel():
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=tuple(query.shape[:2]))
         check_device(query.device, lse=lse)
+    return variant
+
+
+def _checked_launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
+    """torch.ops.hipkern.paged_attention_decode called directly (or from a compiled graph): its arguments
+    are validated as the Python function validates them before it launches."""
+    variant = _check_direct(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out,
+                            lse)
     _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse)
 
 
@@ -445,6 +456,7 @@ lib.impl("paged_attention_decode", _checked_launch, "CUDA")
 
 @torch.library.register_fake("hipkern::paged_attention_decode")
 def _fake(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
+    _check_direct(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse)
     return None
 
 

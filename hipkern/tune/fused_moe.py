@@ -85,8 +85,9 @@ class FusedMoeTuner:
 
     def candidates(self, s, info) -> Pruned:
         first = self.heuristic(s, info)
+        dims = (s["model_dim"], s["inter_dim"])
         rest = [Candidate.of(v, block_m=b) for b in block_ms_for(DTYPES[s["dtype"]])
-                for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b)]
+                for v in (VARIANT, "decode") if v == VARIANT or decode_fits(s["tokens"], s["topk"], b, *dims)]
         if gemv_fits(s["tokens"], s["topk"], s["model_dim"], s["inter_dim"]):
             rest += [Candidate.of(v, block_m=8) for v in gemv_variants(DTYPES[s["dtype"]])]
         return Pruned([first] + [c for c in rest if c != first])
