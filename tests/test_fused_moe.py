@@ -514,8 +514,23 @@ def test_expert_map_into_more_than_32767_local_experts(variant, t):
     run_and_check(x, w1, w2, w, ids, expert_map=emap, block_m=8, variant=variant)
 
 
+# (variant, tokens) that take every path of the op at k = 4: gemv, gemv_mma, decode, and grouped routed in its
+# GEMM blocks (<= 256 pairs) and through moe_sorting
+EVERY_PATH = [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40), ("grouped", 300)]
+
+
+def nan_padded(w1, w2, extra):
+    """Views of w1 and w2 at the start of buffers with `extra` more experts of NaN: a read past the
+    experts spreads NaN into the output."""
+    e, two_i, d = w1.shape
+    buf1 = torch.full((e + extra, two_i, d), math.nan, dtype=w1.dtype, device=w1.device)
+    buf2 = torch.full((e + extra, *w2.shape[1:]), math.nan, dtype=w2.dtype, device=w2.device)
+    buf1[:e], buf2[:e] = w1, w2
+    return buf1[:e], buf2[:e]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,t", [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40), ("grouped", 300)])
+@pytest.mark.parametrize("variant,t", EVERY_PATH)
 def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     """expert_map values at or past w1's expert count (only validate=True rejects them) drop their pairs,
     as remote ones do, on every path; no kernel reads past w1 or w2: both are views at the start of
@@ -523,10 +538,7 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     whose every pair maps past w1 gets an exact zero row."""
     e, e_local, k, dtype, d, i = 16, 8, 4, torch.bfloat16, ODD["d"], ODD["i"]
     w1, w2 = make_weights(e_local, d, i, dtype, seed=t)
-    buf1 = torch.full((e_local + 4, 2 * i, d), math.nan, dtype=dtype, device="cuda")
-    buf2 = torch.full((e_local + 4, d, i), math.nan, dtype=dtype, device="cuda")
-    buf1[:e_local], buf2[:e_local] = w1, w2
-    w1v, w2v = buf1[:e_local], buf2[:e_local]
+    w1v, w2v = nan_padded(w1, w2, 4)
     emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
     emap[:e_local] = torch.randperm(e_local, generator=_gen(t), device="cuda").to(torch.int32)
     emap[e_local:e_local + 4] = torch.tensor([e_local, e_local + 1, e_local + 3, 2**31 - 1], dtype=torch.int32)
@@ -549,8 +561,7 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mapped", [False, True])
-@pytest.mark.parametrize("variant,t", [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40),
-                                       ("grouped", 300)])
+@pytest.mark.parametrize("variant,t", EVERY_PATH)
 def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant, t, mapped):
     """Without validate=True an id outside [0, E) is documented as undefined; every path drops its pair,
     as fused_moe_ref does, and never reads through it: w1 / w2 are views at the start of NaN-filled
@@ -558,9 +569,7 @@ def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant
     token whose every id is outside, with and without an expert_map."""
     e, k, dtype, d, i = 16, 4, torch.bfloat16, ODD["d"], ODD["i"]
     w1, w2 = make_weights(e, d, i, dtype, seed=t)
-    buf1 = torch.full((e + 2, 2 * i, d), math.nan, dtype=dtype, device="cuda")
-    buf2 = torch.full((e + 2, d, i), math.nan, dtype=dtype, device="cuda")
-    buf1[:e], buf2[:e] = w1, w2
+    w1v, w2v = nan_padded(w1, w2, 2)
     emap = None
     if mapped:  # a permutation of all local experts: ids outside [0, E) must not index the map either
         emap = torch.randperm(e, generator=_gen(t + 1), device="cuda").to(torch.int32)
@@ -572,7 +581,7 @@ def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant
         ids[1, 3] = -5
     w = torch.where((ids >= 0) & (ids < e), w, math.inf)  # a dropped pair's weight is never used
     out = poison(torch.empty_like(x))
-    hipkern.fused_moe(x, buf1[:e], buf2[:e], w, ids, expert_map=emap, variant=variant, out=out)
+    hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
     ref = reference(x, w1, w2, w, ids, expert_map=emap)
     assert checkAllclose(out, ref, msg=f"{variant} T={t} map={mapped} ", **TOL[dtype]) == 0
     assert (out[0] == 0).all()
@@ -582,8 +591,7 @@ def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,t", [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40),
-                                       ("grouped", 300)])
+@pytest.mark.parametrize("variant,t", EVERY_PATH)
 def test_out_in_place_or_apart_from_the_inputs(variant, t):
     """out may be hidden_states itself (every variant reads all of it before writing out); an out that
     shares memory with any other input, or only part of hidden_states, is refused before the launch (its

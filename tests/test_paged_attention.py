@@ -1,13 +1,12 @@
 """paged_attention_decode against a float32 per-sequence torch reference, every variant."""
 import contextlib
-import functools
 import math
 
 import pytest
 import torch
 
 import hipkern
-from hipkern.ops.paged_attention import ALIASES, VARIANTS, choose_variant, kernel_runs
+from hipkern.ops.paged_attention import ALIASES, VARIANTS, choose_variant, runs_here
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import checkAllclose, poison, poison_next_alloc, rows_scaled
 from hipkern.tune.core import Candidate
@@ -53,16 +52,10 @@ def check_out(o, ref, msg=""):
     return checkAllclose(*rows_scaled(o, ref), msg=msg, **TOL[o.dtype])
 
 
-@functools.cache
-def _wave_size():
-    from hipkern import jit
-    return jit.wave_size_of(jit.current_arch())
-
-
 def refused_here(variant, head_size):
-    """Whether the op refuses `variant` at this head size on this GPU (kernel_runs: v16 / v5 at head size 256
+    """Whether the op refuses `variant` at this head size on this GPU (runs_here: v16 / v5 at head size 256
     on CDNA, whose LDS their tiles do not fit)."""
-    return not kernel_runs(VARIANTS[ALIASES.get(variant, variant)], head_size, _wave_size())
+    return not runs_here(variant, head_size)
 
 
 def variants_here(head_size):

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import hipkern
-from hipkern import jit
-from hipkern.ops.paged_attention import VARIANTS, choose_variant, kernel_runs
+from hipkern.ops.paged_attention import VARIANTS, choose_variant, runs_here
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import BenchTable, checkAllclose, poison, rows_scaled, run_graphtest, run_perftest
 
@@ -84,8 +83,7 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     out = hipkern.paged_attention_decode(q, k, v, bt, cl, out=poison(torch.empty_like(q)))
     err = checkAllclose(*rows_scaled(out, ref), atol=8e-3, rtol=8e-3, msg=f"{name} ")
     times = {}
-    wave = jit.wave_size_of(jit.current_arch())
-    for var in (v for v in VARIANTS if kernel_runs(VARIANTS[v], d, wave)):  # CDNA: no v16 / v5 at head 256
+    for var in (v for v in VARIANTS if runs_here(v, d)):  # CDNA: no v16 / v5 at head 256
         o = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=var, out=poison(torch.empty_like(q)))
         err = max(err, checkAllclose(*rows_scaled(o, ref), atol=8e-3, rtol=8e-3, msg=f"{name} {var} ", printLog=False))
         _, times[var] = run_perftest(hipkern.paged_attention_decode, q, k, v, bt, cl, variant=var, num_iters=iters)
@@ -145,9 +143,8 @@ def sweep(out_dir: Path, quick: bool = False) -> int:
                         *[f"p{s}_us" for s in sizes]],
                        title="# v16 by partition size (bf16, block 16; p0: its own plan)")
     grid = REFERENCE_GRID + LARGE_GRID[:3] + [(b, c, 32, 8, 128) for b in (1, 4) for c in (4096, 16384)]
-    wave = jit.wave_size_of(jit.current_arch())
     for b, c, hq, hkv, d in grid:
-        if not kernel_runs(VARIANTS["v16"], d, wave):  # CDNA: v16 has no head size 256
+        if not runs_here("v16", d):  # CDNA: v16 has no head size 256
             continue
         q, k, v, bt, cl = make_inputs([c] * b, hq, hkv, d)
         times = {}

@@ -355,11 +355,10 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
                                      hidden_states.dtype, block_m, variant)
     if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
         pairs, dim, inter = topk_ids.numel(), hidden_states.shape[1], w2.shape[2]
-        # at most one partial block an expert; routing in the blocks counts a block a pair; the decode
-        # launcher counts DECODE_MAX_PAIRS m-blocks whatever the call
+        # at most one partial block an expert; routing in the blocks counts a block a pair (decode's own
+        # count, DECODE_MAX_PAIRS m-blocks whatever the call, is decode_fits', which every path that gives
+        # "decode" has asked)
         mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // block_m) + _routed_experts(w1, expert_map))
-        if variant == "decode":
-            mblocks = DECODE_MAX_PAIRS
         if mblocks * -(-max(dim, inter) // 8) >= 2**30:
             raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
                              f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")

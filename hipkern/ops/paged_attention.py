@@ -471,13 +471,18 @@ HEURISTIC_VARIANT = "v16"
 
 
 def heuristic_variant(head_size: int, arch: str) -> str:
-    return "v3" if head_size == 256 and arch.startswith("gfx") else HEURISTIC_VARIANT
+    return HEURISTIC_VARIANT if kernel_runs(VARIANTS[HEURISTIC_VARIANT], head_size, jit.wave_size_of(arch)) else "v3"
 
 
 def kernel_runs(variant: Variant, head_size: int, wave_size: int) -> bool:
     """Whether a variant's kernel runs this head size on GPUs of this wave size: the matrix-core kernel's
     K/V tiles of head size 256 do not fit CDNA's 64 KB of LDS (64-lane waves)."""
     return not (variant.kernel == "mma" and head_size == 256 and wave_size == 64)
+
+
+def runs_here(variant: str, head_size: int) -> bool:
+    """kernel_runs for a variant's name (or alias) on the arch the op builds for here (jit.current_arch())."""
+    return kernel_runs(VARIANTS[ALIASES.get(variant, variant)], head_size, jit.wave_size_of(jit.current_arch()))
 
 
 def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
