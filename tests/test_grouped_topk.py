@@ -136,15 +136,24 @@ def test_deepseek_v3_shape_many_tokens(dtype, t):
 
 
 @pytest.mark.gpu
-def test_a_million_tokens():
-    t = 1_000_003
-    torch.manual_seed(0)
-    x, bias = _logits(t, 256, torch.bfloat16), _bias(256)
-    w, ids = _run(x, bias, 8, 8, 4)
-    assert int(ids.min()) >= 0 and int(ids.max()) < 256 and torch.isfinite(w).all()
+@pytest.mark.parametrize("e,g,tg,k", [(256, 8, 4, 8), (8, 4, 2, 2)])
+def test_more_row_blocks_than_one_grid(e, g, tg, k):
+    """Past 2^16 blocks of rows (256 / lanes-a-row rows each: 8 at E 256, 256 at E 8) a launch is a grid of
+    2^16 blocks that take every 2^16-th block of rows (hipkern/launch.h stride_grid; before, HIP refused
+    2^32 threads), each row's lanes reusing their shared memory round after round. Two full rounds and a
+    third of 3 rows (DeepSeek-V3's shape: 1,048,579 tokens): rows from every round and both sides of each
+    round's boundary against the reference, every row a valid choice."""
+    rows_per_block = 256 if e <= 8 else 8
+    t = 2 * 65536 * rows_per_block + 3
+    torch.manual_seed(e)
+    x, bias = _logits(t, e, torch.bfloat16), _bias(e)
+    w, ids = _run(x, bias, k, g, tg)
+    assert int(ids.min()) >= 0 and int(ids.max()) < e and torch.isfinite(w).all()
     assert (ids.sort(dim=1).values.diff(dim=1) != 0).all()
-    rows = torch.cat([torch.arange(0, t, 997, device="cuda"), torch.arange(t - 300, t, device="cuda")])
-    _check(x[rows], bias, 8, 8, 4, w[rows], ids[rows])
+    edge = torch.arange(-300, 300, device="cuda")
+    rows = torch.cat([torch.arange(0, t, 97, device="cuda"), edge + t // 2, edge[:303] + t - 3]).clamp(0, t - 1)
+    rows = rows.unique()
+    _check(x[rows], bias, k, g, tg, w[rows], ids[rows])
 
 
 @pytest.mark.gpu

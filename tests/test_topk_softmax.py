@@ -72,6 +72,24 @@ def test_matches_reference_large(dtype, t, e, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,e,k", [(torch.bfloat16, 256, 8), (torch.float16, 257, 9), (torch.bfloat16, 8, 2)])
+def test_more_row_blocks_than_one_grid(dtype, e, k):
+    """Past 2^16 blocks of rows (256 / lanes-a-row rows each: 8 at E 256, 4 or 8 at E 257, 256 at E 8) a
+    launch is a grid of 2^16 blocks that take every 2^16-th block of rows (hipkern/launch.h stride_grid;
+    before, HIP refused 2^32 threads). Two full rounds and a third of 5 rows: rows from every round, and
+    both sides of each round's boundary, against the reference."""
+    rows_per_block = 256 if e <= 8 else 8  # (E 257 on 64-lane waves: 4, so more rounds)
+    t = 2 * 65536 * rows_per_block + 5
+    torch.manual_seed(e)
+    x = _logits(t, e, dtype)
+    w, ids = _run(x, k, True)
+    edge = torch.arange(-300, 300, device="cuda")
+    rows = torch.cat([torch.arange(0, t, 7, device="cuda"), edge + t // 2, edge[:305] + t - 5]).clamp(0, t - 1)
+    rows = rows.unique()
+    _check(x[rows], k, True, w[rows], ids[rows])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("e", [8, 64, 257, 512])
 def test_ties_rank_lower_expert_first(dtype, e):

@@ -129,8 +129,9 @@ HK_DEVICE uint64_t kept_groups(const Args& a, const float* row_b, uint32_t* row_
   return group_reduce<TPR>(mine, SumOp());  // each bit comes from one lane: the sum is the OR
 }
 
+// The kBlockThreads / TPR rows of row block `blk`.
 template <typename T, int VEC, int TPR, int CPL>
-__global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
+HK_DEVICE void grouped_topk_rows(const Args& a, unsigned blk) {
   constexpr int N = VEC * CPL;                        // experts per lane
   constexpr int kRows = kBlockThreads / TPR;          // rows per block
   constexpr int kCap = TPR * N;                       // experts a row can hold
@@ -140,7 +141,7 @@ __global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
   __shared__ uint32_t s_g[kRows][kGroupCap];
 
   const int g = threadIdx.x % TPR, r = threadIdx.x / TPR;
-  const int64_t row = (int64_t)blockIdx.x * kRows + r;
+  const int64_t row = (int64_t)blk * kRows + r;
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
@@ -229,16 +230,36 @@ __global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
   }
 }
 
+// A block a row block; kStride: more row blocks than one grid launches (stride_grid), so each block takes
+// every gridDim.x-th (the same rounds in every lane of a block; a row's lanes, one wave, meet before the next
+// round writes their shared memory). The plain form is the one most calls run.
+template <typename T, int VEC, int TPR, int CPL, bool kStride>
+__global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
+  if constexpr (kStride) {
+#pragma unroll 1
+    for (unsigned blk = blockIdx.x; (int64_t)blk * (kBlockThreads / TPR) < a.num_tokens; blk += gridDim.x) {
+      grouped_topk_rows<T, VEC, TPR, CPL>(a, blk);
+      wave_sync();
+    }
+  } else {
+    grouped_topk_rows<T, VEC, TPR, CPL>(a, blockIdx.x);
+  }
+}
+
 template <typename T, int VEC, int TPR, int CPL>
 int launch(Args a, hipStream_t stream) {
   constexpr int64_t kRows = kBlockThreads / TPR;
   const int64_t blocks = (a.num_tokens + kRows - 1) / kRows;
-  HK_REQUIRE(blocks <= 0x7fffffff && threads_fit(blocks, kBlockThreads));
+  HK_REQUIRE(blocks <= 0x7fffffff);  // (row blocks are counted in 32 bits)
   int lpg = 1;
   while (lpg * 2 * a.num_groups <= TPR) lpg *= 2;
   a.lanes_per_group = lpg;
-  hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL>), dim3((unsigned)blocks),
-                     dim3(kBlockThreads), 0, stream, a);
+  if (blocks <= kStrideGridBlocks)
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL, false>), dim3((unsigned)blocks),
+                       dim3(kBlockThreads), 0, stream, a);
+  else
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL, true>), dim3(stride_grid(blocks)),
+                       dim3(kBlockThreads), 0, stream, a);
   HK_CHECK_LAUNCH("grouped_topk_kernel");
   return 0;
 }

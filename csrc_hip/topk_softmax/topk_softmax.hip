@@ -57,14 +57,15 @@ template <typename T16> struct RankKey16 {  // 16 value bits + 16 expert bits
 template <> struct RankKey<half_t> : RankKey16<half_t> {};
 template <> struct RankKey<bf16_t> : RankKey16<bf16_t> {};
 
+// The kBlockThreads / TPR rows of row block `blk`.
 template <typename T, int VEC, int TPR, int CPL>
-__global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
+HK_DEVICE void topk_softmax_rows(const Args& a, unsigned blk) {
   typedef RankKey<T> RK;
   typedef typename RK::type K;
   constexpr int N = VEC * CPL;                        // logits per lane
   constexpr int kSlots = (kMaxTopK + TPR - 1) / TPR;  // results kept per lane
   const int g = threadIdx.x % TPR;
-  const int64_t row = (int64_t)blockIdx.x * (kBlockThreads / TPR) + threadIdx.x / TPR;
+  const int64_t row = (int64_t)blk * (kBlockThreads / TPR) + threadIdx.x / TPR;
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
@@ -122,13 +123,30 @@ __global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
   }
 }
 
+// A block a row block; kStride: more row blocks than one grid launches (stride_grid), so each block takes
+// every gridDim.x-th (the same rounds in every lane of a block). The plain form is the one most calls run.
+template <typename T, int VEC, int TPR, int CPL, bool kStride>
+__global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
+  if constexpr (kStride) {
+#pragma unroll 1
+    for (unsigned blk = blockIdx.x; (int64_t)blk * (kBlockThreads / TPR) < a.num_tokens; blk += gridDim.x)
+      topk_softmax_rows<T, VEC, TPR, CPL>(a, blk);
+  } else {
+    topk_softmax_rows<T, VEC, TPR, CPL>(a, blockIdx.x);
+  }
+}
+
 template <typename T, int VEC, int TPR, int CPL>
 int launch(const Args& a, hipStream_t stream) {
   const int64_t rows_per_block = kBlockThreads / TPR;
   const int64_t blocks = (a.num_tokens + rows_per_block - 1) / rows_per_block;
-  HK_REQUIRE(blocks <= 0x7fffffff && threads_fit(blocks, kBlockThreads));
-  hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL>), dim3((unsigned)blocks),
-                     dim3(kBlockThreads), 0, stream, a);
+  HK_REQUIRE(blocks <= 0x7fffffff);  // (row blocks are counted in 32 bits)
+  if (blocks <= kStrideGridBlocks)
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL, false>), dim3((unsigned)blocks),
+                       dim3(kBlockThreads), 0, stream, a);
+  else
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL, true>), dim3(stride_grid(blocks)),
+                       dim3(kBlockThreads), 0, stream, a);
   HK_CHECK_LAUNCH("topk_softmax_kernel");
   return 0;
 }

@@ -52,6 +52,14 @@ inline bool threads_fit(int64_t blocks, int threads) {
 #endif
 }
 
+// Grid-stride kernels (a loop over blocks of work, blockIdx.x first, gridDim.x apart) launch at most this
+// many blocks: 2^16 blocks of 256 threads fill the largest GPUs many times over and stay far under HIP's
+// 2^32 threads (threads_fit), so any amount of work runs on every platform.
+constexpr int64_t kStrideGridBlocks = int64_t(1) << 16;
+inline unsigned stride_grid(int64_t work_blocks) {
+  return (unsigned)(work_blocks < kStrideGridBlocks ? work_blocks : kStrideGridBlocks);
+}
+
 // How many blocks of `kernel` fit on one SM/CU at once, into *out.
 template <typename Kernel>
 int resident_blocks(Kernel kernel, unsigned long long& raised, int threads, int smem_bytes, int device, int* out) {
