@@ -647,6 +647,30 @@ def test_split_stays_within_the_grid():
     assert _split(Shape(1, 1, 1, 4096, 132, 64, 1), 100) == _split(Shape(1, 1, 1, 4096, 132, 64, 1), 128)
 
 
+def test_split_keeps_hip_grids_under_2_pow_32_threads():
+    """On 64-lane waves (HIP, which runs a grid of 2^32 threads or more wrongly and whose launcher refuses
+    one) a split's partitions grow until its decode grid has at most HIP_MAX_GRID_BLOCKS blocks: e.g. v3 at
+    4096 sequences x 32 KV heads of a 2^17-token block table, 256 partitions of 512 tokens (2^25 blocks)."""
+    from hipkern.ops.paged_attention import HIP_MAX_GRID_BLOCKS, MAX_PARTITIONS, VARIANTS, _split, make_shape
+
+    for name, seqs, kv_heads, tokens in (("v3", 4096, 32, 2**17), ("v9", 4096, 8, 2**20), ("v9", 65535, 64, 2**17),
+                                         ("v16", 4096, 32, 2**20)):
+        var = VARIANTS[name]
+        for wave in (32, 64):
+            shape = make_shape(var, seqs, kv_heads * 8, kv_heads, tokens, 304, wave)
+            assert shape.max_grid_blocks == (HIP_MAX_GRID_BLOCKS if wave == 64 else 0)
+            for size in (64, 512, None):
+                plan = _split(shape, size) if size else var.plan(shape)
+                assert plan.num_partitions * plan.partition_size >= tokens
+                assert plan.num_partitions == 1 or plan.partition_size % shape.tile == 0
+                assert plan.num_partitions <= MAX_PARTITIONS
+                if wave == 64 and shape.blocks <= HIP_MAX_GRID_BLOCKS:
+                    assert shape.blocks * plan.num_partitions <= HIP_MAX_GRID_BLOCKS, (name, seqs, size, plan)
+    # 32-lane waves keep the partitions asked for
+    shape = make_shape(VARIANTS["v9"], 4096, 256, 32, 2**20, 132, 32)
+    assert _split(shape, 512).num_partitions == 2**11
+
+
 def test_balanced_plan_splits_only_grids_short_of_the_memory_rate():
     from hipkern.ops.paged_attention import SATURATE_BLOCKS, Shape, _plan_balanced
 

@@ -29,6 +29,10 @@ KV_LAYOUTS = ("NHD", "HND")  # [blocks, block_size, kv_heads, D] / [blocks, kv_h
 MAX_GQA = 64
 MAX_TOKENS = 2**30 - 1  # per block-table row: keeps the kernel's 32-bit token sums below 2^31
 MAX_PARTITIONS = 65535  # grid z
+# HIP runs a grid of 2^32 threads or more wrongly (launch.h threads_fit; the launcher refuses it): on 64-lane
+# waves (CDNA) a split keeps its decode grid under this many blocks of up to 1024 threads. CUDA's grid
+# limits are per dimension (MAX_PARTITIONS, 65535 sequences).
+HIP_MAX_GRID_BLOCKS = 2**32 // 1024
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -75,6 +79,7 @@ class Shape:
     tile: int  # tokens a block takes per step
     heads_per_block: int
     resident: int = 1  # blocks of the kernel one SM holds at once
+    max_grid_blocks: int = 0  # > 0: the most blocks a split's decode grid may have (HIP_MAX_GRID_BLOCKS)
 
     @property
     def blocks(self) -> int:  # thread blocks of one partition
@@ -118,7 +123,7 @@ def make_shape(variant: Variant, num_seqs, num_q_heads, num_kv_heads, max_tokens
     kernel = KERNELS[variant.kernel]
     group = num_q_heads // num_kv_heads
     return Shape(num_seqs, num_kv_heads, group, max_tokens, sm_count, kernel.tile(wave_size),
-                 heads_per_block(variant, group, params or {}), resident)
+                 heads_per_block(variant, group, params or {}), resident, HIP_MAX_GRID_BLOCKS if wave_size == 64 else 0)
 
 
 def resident_for(dtype: str, head_size: int, variant: str, group: int, device: int, params=None) -> int:
@@ -160,8 +165,11 @@ def _split(shape: Shape, partition_size: int) -> Plan:
     # token, so a partition starting inside a box (a database row's 100 tokens) would read zeros.
     partition_size = max(1, math.ceil(partition_size / shape.tile)) * shape.tile
     parts = max(1, math.ceil(shape.max_tokens / partition_size))
-    if parts > MAX_PARTITIONS:  # larger partitions, whole tiles, within the grid
-        partition_size = math.ceil(shape.max_tokens / MAX_PARTITIONS / shape.tile) * shape.tile
+    most = MAX_PARTITIONS
+    if shape.max_grid_blocks:
+        most = min(most, max(1, shape.max_grid_blocks // shape.blocks))
+    if parts > most:  # larger partitions, whole tiles, within the grid
+        partition_size = math.ceil(shape.max_tokens / most / shape.tile) * shape.tile
         parts = math.ceil(shape.max_tokens / partition_size)
     return Plan(1, shape.max_tokens) if parts == 1 else Plan(parts, partition_size)
 
