@@ -229,15 +229,17 @@ def test_deterministic():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("group_scoring", ["top2", "max"])
+def test_cuda_graph_capture_and_replay(group_scoring):
+    gs = dict(group_scoring=group_scoring)
     x, bias = _logits(512, 256, torch.bfloat16), _bias(256)
     out = (torch.empty(512, 8, device="cuda"), torch.empty(512, 8, device="cuda", dtype=torch.int32))
-    hipkern.grouped_topk(x, bias, 8, 8, 4, out=out)  # warm-up (module load) outside the capture
-    hipkern.grouped_topk(x, None, 8, 8, 4, scoring="softmax")
+    hipkern.grouped_topk(x, bias, 8, 8, 4, out=out, **gs)  # warm-up (module load) outside the capture
+    hipkern.grouped_topk(x, None, 8, 8, 4, scoring="softmax", **gs)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        hipkern.grouped_topk(x, bias, 8, 8, 4, out=out)
-        functional = hipkern.grouped_topk(x, None, 8, 8, 4, scoring="softmax", renormalize=False)
+        hipkern.grouped_topk(x, bias, 8, 8, 4, out=out, **gs)
+        functional = hipkern.grouped_topk(x, None, 8, 8, 4, scoring="softmax", renormalize=False, **gs)
     for seed in range(3):
         torch.manual_seed(seed)
         x.copy_(_logits(512, 256, torch.bfloat16))
@@ -245,14 +247,15 @@ def test_cuda_graph_capture_and_replay():
         poison(out[0]), poison(out[1]), poison(functional[0]), poison(functional[1])
         g.replay()
         torch.cuda.synchronize()
-        _check(x, bias, 8, 8, 4, *out)
-        _check(x, None, 8, 8, 4, *functional, scoring="softmax", renormalize=False)
+        _check(x, bias, 8, 8, 4, *out, **gs)
+        _check(x, None, 8, 8, 4, *functional, scoring="softmax", renormalize=False, **gs)
 
 
 @pytest.mark.gpu
-def test_torch_compile():
+@pytest.mark.parametrize("group_scoring", ["top2", "max"])
+def test_torch_compile(group_scoring):
     def route(logits, bias):
-        w, ids = hipkern.grouped_topk(logits, bias, 4, 4, 2, routed_scaling_factor=2.0)
+        w, ids = hipkern.grouped_topk(logits, bias, 4, 4, 2, routed_scaling_factor=2.0, group_scoring=group_scoring)
         return w * 2, ids
 
     compiled = torch.compile(route, fullgraph=True)
@@ -260,7 +263,21 @@ def test_torch_compile():
     for t in (16, 33):
         x = _logits(t, 32, torch.float16)
         w, ids = compiled(x, bias)
-        _check(x, bias, 4, 4, 2, w / 2, ids, scale=2.0)
+        _check(x, bias, 4, 4, 2, w / 2, ids, scale=2.0, group_scoring=group_scoring)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_hand_computed_case_on_the_gpu(dtype):
+    """test_reference_on_a_hand_computed_case's row through the kernel: by top-2 sums groups 3 and 1 are kept
+    (experts 6, 7, 2: 6 and 7 tie, the lower first), by their largest score groups 2 and 0 (experts 4, 1, 0)."""
+    x = torch.tensor([[0.0, 3.0, 1.0, 1.0, 4.0, -4.0, 2.0, 2.0]], device="cuda").to(dtype)
+    s = torch.sigmoid(x.double())[0]
+    for group_scoring, expect in (("top2", [6, 7, 2]), ("max", [4, 1, 0])):
+        w, ids = _run(x, None, 3, 4, 2, group_scoring=group_scoring)
+        assert ids.tolist() == [expect], group_scoring
+        p = s[expect]
+        assert torch.allclose(w[0].double(), p / p.sum(), rtol=1e-6, atol=0), group_scoring
 
 
 @pytest.mark.gpu
