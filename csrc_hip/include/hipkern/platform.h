@@ -180,13 +180,17 @@ HK_DEVICE bool block_arrive_last(int* counter, int n, int* slot) {
 
 // 16 bytes (a float4, 16-byte aligned) that other blocks of this grid wrote and published (their
 // release, then an atomic this block observed with acquire: block_arrive_last), read where the device
-// is coherent (L2), never from a line this SM's L1 may hold.
+// is coherent (L2), never from a line this SM's L1 may hold. On CDNA four relaxed agent-scope atomic loads
+// (gfx942: global_load_dword sc1, all in flight at once); the volatile loads they replace were each
+// followed by a wait for all of the wave's loads (s_waitcnt vmcnt(0)), so a thread's loads ran in series.
 HK_DEVICE float4 load_coherent4(const float* p) {
 #if defined(HK_PLATFORM_CUDA)
   return __ldcg(reinterpret_cast<const float4*>(p));
 #else
-  const volatile float* q = p;  // glc loads on CDNA
-  return make_float4(q[0], q[1], q[2], q[3]);
+  return make_float4(__hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT),
+                     __hip_atomic_load(p + 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT),
+                     __hip_atomic_load(p + 2, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT),
+                     __hip_atomic_load(p + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT));
 #endif
 }
 
