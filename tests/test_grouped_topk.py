@@ -138,11 +138,11 @@ def test_deepseek_v3_shape_many_tokens(dtype, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,g,tg,k", [(256, 8, 4, 8), (8, 4, 2, 2)])
 def test_more_row_blocks_than_one_grid(e, g, tg, k):
-    """Past 2^16 blocks of rows (256 / lanes-a-row rows each: 8 at E 256, 256 at E 8) a launch is a grid of
-    2^16 blocks that take every 2^16-th block of rows (hipkern/launch.h stride_grid; before, HIP refused
-    2^32 threads), each row's lanes reusing their shared memory round after round. Two full rounds and a
-    third of 3 rows (DeepSeek-V3's shape: 1,048,579 tokens): rows from every round and both sides of each
-    round's boundary against the reference, every row a valid choice."""
+    """Past 2^16 blocks of rows (256 / lanes-a-row rows each: 8 at E 256, 256 at E 8) the grid is launched in
+    pieces of 2^16 blocks, each told its first block (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused
+    a grid of 2^32 threads). Two full pieces and a third of 3 rows (DeepSeek-V3's shape: 1,048,579 tokens):
+    rows from every piece and both sides of each piece's start against the reference, every row a valid
+    choice."""
     rows_per_block = 256 if e <= 8 else 8
     t = 2 * 65536 * rows_per_block + 3
     torch.manual_seed(e)

@@ -666,6 +666,9 @@ def test_split_keeps_hip_grids_under_2_pow_32_threads():
                 assert plan.num_partitions <= MAX_PARTITIONS
                 if wave == 64 and shape.blocks <= HIP_MAX_GRID_BLOCKS:
                     assert shape.blocks * plan.num_partitions <= HIP_MAX_GRID_BLOCKS, (name, seqs, size, plan)
+    # a grid past the cap even unsplit (65535 x 65 KV heads) runs one pass (the launcher then judges it)
+    shape = make_shape(VARIANTS["v9"], 65535, 65 * 4, 65, 2**17, 304, 64)
+    assert shape.blocks > HIP_MAX_GRID_BLOCKS and _split(shape, 512).num_partitions == 1
     # 32-lane waves keep the partitions asked for
     shape = make_shape(VARIANTS["v9"], 4096, 256, 32, 2**20, 132, 32)
     assert _split(shape, 512).num_partitions == 2**11

@@ -71,21 +71,38 @@ def test_matches_reference_large(dtype, t, e, k):
     _check(x, k, False, w, ids)
 
 
+def _round_rows(e, dtype, t):
+    """Rows a block takes (256 threads / lanes a row, as the launcher picks lanes: a 16-byte chunk a lane,
+    the fewest lanes up to a wave, else whole waves; one element a lane on the scalar path) and a sample
+    of rows: every 7th, all rows within 300 of each launch's first (a launch: 2^16 blocks of rows), the last."""
+    from hipkern import jit
+    wave = jit.wave_size_of(jit.current_arch())
+    vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    chunks = e // vec if e % vec == 0 else e
+    lanes = min(wave, 1 << (chunks - 1).bit_length()) if e % vec == 0 else wave
+    per_block = 256 // lanes
+    starts = torch.arange(0, t, 65536 * per_block, device="cuda")
+    near = (starts[:, None] + torch.arange(-300, 300, device="cuda")).flatten()
+    rows = torch.cat([torch.arange(0, t, 7, device="cuda"), near, torch.arange(t - 300, t, device="cuda")])
+    return per_block, rows[(rows >= 0) & (rows < t)].unique()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,e,k", [(torch.bfloat16, 256, 8), (torch.float16, 257, 9), (torch.bfloat16, 8, 2)])
 def test_more_row_blocks_than_one_grid(dtype, e, k):
-    """Past 2^16 blocks of rows (256 / lanes-a-row rows each: 8 at E 256, 4 or 8 at E 257, 256 at E 8) a
-    launch is a grid of 2^16 blocks that take every 2^16-th block of rows (hipkern/launch.h stride_grid;
-    before, HIP refused 2^32 threads). Two full rounds and a third of 5 rows: rows from every round, and
-    both sides of each round's boundary, against the reference."""
-    rows_per_block = 256 if e <= 8 else 8  # (E 257 on 64-lane waves: 4, so more rounds)
-    t = 2 * 65536 * rows_per_block + 5
+    """Past 2^16 blocks of rows (8 rows a block at E 256, 8 or 4 at E 257, 256 at E 8) the grid is launched in
+    pieces of 2^16 blocks, each told its first block (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused a
+    grid of 2^32 threads). Two pieces of 32-lane rows and 5 rows more: every row a valid choice, sampled rows
+    of every piece and both sides of each piece's start against the reference."""
+    per_block, _ = _round_rows(e, dtype, 1)
+    t = 2 * 65536 * (256 if e <= 8 else 8) + 5
     torch.manual_seed(e)
     x = _logits(t, e, dtype)
     w, ids = _run(x, k, True)
-    edge = torch.arange(-300, 300, device="cuda")
-    rows = torch.cat([torch.arange(0, t, 7, device="cuda"), edge + t // 2, edge[:305] + t - 5]).clamp(0, t - 1)
-    rows = rows.unique()
+    assert int(ids.min()) >= 0 and int(ids.max()) < e and torch.isfinite(w).all()  # every row written
+    assert (ids.sort(dim=1).values.diff(dim=1) != 0).all()
+    _, rows = _round_rows(e, dtype, t)
+    assert t > 65536 * per_block  # (past one grid on this GPU)
     _check(x[rows], k, True, w[rows], ids[rows])
 
 

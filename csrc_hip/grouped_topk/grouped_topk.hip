@@ -53,6 +53,7 @@ struct Args {
   int group_scoring;
   bool renormalize;
   float scale;
+  int64_t row0;  // the launch's first row (launch(): pieces of kMaxLaunchBlocks blocks)
 };
 
 // Rank key of (b, expert): 32 value bits, 32 inverted-index bits; 0 is "none" (below every key).
@@ -129,9 +130,8 @@ HK_DEVICE uint64_t kept_groups(const Args& a, const float* row_b, uint32_t* row_
   return group_reduce<TPR>(mine, SumOp());  // each bit comes from one lane: the sum is the OR
 }
 
-// The kBlockThreads / TPR rows of row block `blk`.
 template <typename T, int VEC, int TPR, int CPL>
-HK_DEVICE void grouped_topk_rows(const Args& a, unsigned blk) {
+__global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
   constexpr int N = VEC * CPL;                        // experts per lane
   constexpr int kRows = kBlockThreads / TPR;          // rows per block
   constexpr int kCap = TPR * N;                       // experts a row can hold
@@ -141,7 +141,7 @@ HK_DEVICE void grouped_topk_rows(const Args& a, unsigned blk) {
   __shared__ uint32_t s_g[kRows][kGroupCap];
 
   const int g = threadIdx.x % TPR, r = threadIdx.x / TPR;
-  const int64_t row = (int64_t)blk * kRows + r;
+  const int64_t row = a.row0 + (int)(blockIdx.x * kRows + r);  // (< 2^24 a launch)
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
@@ -230,37 +230,22 @@ HK_DEVICE void grouped_topk_rows(const Args& a, unsigned blk) {
   }
 }
 
-// A block a row block; kStride: more row blocks than one grid launches (stride_grid), so each block takes
-// every gridDim.x-th (the same rounds in every lane of a block; a row's lanes, one wave, meet before the next
-// round writes their shared memory). The plain form is the one most calls run.
-template <typename T, int VEC, int TPR, int CPL, bool kStride>
-__global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
-  if constexpr (kStride) {
-#pragma unroll 1
-    for (unsigned blk = blockIdx.x; (int64_t)blk * (kBlockThreads / TPR) < a.num_tokens; blk += gridDim.x) {
-      grouped_topk_rows<T, VEC, TPR, CPL>(a, blk);
-      wave_sync();
-    }
-  } else {
-    grouped_topk_rows<T, VEC, TPR, CPL>(a, blockIdx.x);
-  }
-}
-
 template <typename T, int VEC, int TPR, int CPL>
 int launch(Args a, hipStream_t stream) {
   constexpr int64_t kRows = kBlockThreads / TPR;
   const int64_t blocks = (a.num_tokens + kRows - 1) / kRows;
-  HK_REQUIRE(blocks <= 0x7fffffff);  // (row blocks are counted in 32 bits)
   int lpg = 1;
   while (lpg * 2 * a.num_groups <= TPR) lpg *= 2;
   a.lanes_per_group = lpg;
-  if (blocks <= kStrideGridBlocks)
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL, false>), dim3((unsigned)blocks),
+  // One block a block of rows, in launches of at most kMaxLaunchBlocks blocks (any number of tokens on HIP,
+  // which runs a grid of 2^32 threads or more wrongly).
+  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxLaunchBlocks) {
+    const int64_t n = blocks - b0 < kMaxLaunchBlocks ? blocks - b0 : kMaxLaunchBlocks;
+    a.row0 = b0 * (kBlockThreads / TPR);
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL>), dim3((unsigned)n),
                        dim3(kBlockThreads), 0, stream, a);
-  else
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL, true>), dim3(stride_grid(blocks)),
-                       dim3(kBlockThreads), 0, stream, a);
-  HK_CHECK_LAUNCH("grouped_topk_kernel");
+    HK_CHECK_LAUNCH("grouped_topk_kernel");
+  }
   return 0;
 }
 
@@ -317,6 +302,6 @@ HK_EXPORT int hk_grouped_topk(const void* logits, const float* bias, float* weig
   const int S = num_experts / num_groups;
   const Args a{logits, bias, weights, ids, num_tokens, num_experts, topk, num_groups, topk_group, S,
                (uint32_t)(((1u << kMagicShift) + S - 1) / S), 1, scoring, group_scoring, renormalize != 0,
-               scale};
+               scale, 0};
   return dispatch_elem<typename hk::elem_of<HK_DTYPE>::type>(a, static_cast<hipStream_t>(stream));
 }

@@ -30,6 +30,7 @@ struct Args {
   int num_experts;
   int topk;
   bool renormalize;
+  int64_t row0;  // the launch's first row (launch(): pieces of kMaxLaunchBlocks blocks)
 };
 
 // Rank key of (logit, expert); 0 (below every key of a real logit) marks "none".
@@ -57,15 +58,14 @@ template <typename T16> struct RankKey16 {  // 16 value bits + 16 expert bits
 template <> struct RankKey<half_t> : RankKey16<half_t> {};
 template <> struct RankKey<bf16_t> : RankKey16<bf16_t> {};
 
-// The kBlockThreads / TPR rows of row block `blk`.
 template <typename T, int VEC, int TPR, int CPL>
-HK_DEVICE void topk_softmax_rows(const Args& a, unsigned blk) {
+__global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
   typedef RankKey<T> RK;
   typedef typename RK::type K;
   constexpr int N = VEC * CPL;                        // logits per lane
   constexpr int kSlots = (kMaxTopK + TPR - 1) / TPR;  // results kept per lane
   const int g = threadIdx.x % TPR;
-  const int64_t row = (int64_t)blk * (kBlockThreads / TPR) + threadIdx.x / TPR;
+  const int64_t row = a.row0 + (int)(blockIdx.x * (kBlockThreads / TPR) + threadIdx.x / TPR);  // (< 2^24 a launch)
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
@@ -123,31 +123,19 @@ HK_DEVICE void topk_softmax_rows(const Args& a, unsigned blk) {
   }
 }
 
-// A block a row block; kStride: more row blocks than one grid launches (stride_grid), so each block takes
-// every gridDim.x-th (the same rounds in every lane of a block). The plain form is the one most calls run.
-template <typename T, int VEC, int TPR, int CPL, bool kStride>
-__global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
-  if constexpr (kStride) {
-#pragma unroll 1
-    for (unsigned blk = blockIdx.x; (int64_t)blk * (kBlockThreads / TPR) < a.num_tokens; blk += gridDim.x)
-      topk_softmax_rows<T, VEC, TPR, CPL>(a, blk);
-  } else {
-    topk_softmax_rows<T, VEC, TPR, CPL>(a, blockIdx.x);
-  }
-}
-
+// One block a block of rows, in launches of at most kMaxLaunchBlocks blocks (any number of tokens on HIP,
+// which runs a grid of 2^32 threads or more wrongly).
 template <typename T, int VEC, int TPR, int CPL>
-int launch(const Args& a, hipStream_t stream) {
+int launch(Args a, hipStream_t stream) {
   const int64_t rows_per_block = kBlockThreads / TPR;
   const int64_t blocks = (a.num_tokens + rows_per_block - 1) / rows_per_block;
-  HK_REQUIRE(blocks <= 0x7fffffff);  // (row blocks are counted in 32 bits)
-  if (blocks <= kStrideGridBlocks)
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL, false>), dim3((unsigned)blocks),
+  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxLaunchBlocks) {
+    const int64_t n = blocks - b0 < kMaxLaunchBlocks ? blocks - b0 : kMaxLaunchBlocks;
+    a.row0 = b0 * (kBlockThreads / TPR);
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL>), dim3((unsigned)n),
                        dim3(kBlockThreads), 0, stream, a);
-  else
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL, true>), dim3(stride_grid(blocks)),
-                       dim3(kBlockThreads), 0, stream, a);
-  HK_CHECK_LAUNCH("topk_softmax_kernel");
+    HK_CHECK_LAUNCH("topk_softmax_kernel");
+  }
   return 0;
 }
 
@@ -193,6 +181,6 @@ HK_EXPORT int hk_topk_softmax(const void* logits, float* weights, int32_t* ids,
   HK_REQUIRE(topk >= 1 && topk <= kMaxTopK && topk <= num_experts);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
-  const Args a{logits, weights, ids, num_tokens, num_experts, topk, renormalize != 0};
+  const Args a{logits, weights, ids, num_tokens, num_experts, topk, renormalize != 0, 0};
   return dispatch_elem<typename hk::elem_of<HK_DTYPE>::type>(a, static_cast<hipStream_t>(stream));
 }

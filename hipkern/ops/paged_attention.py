@@ -32,7 +32,7 @@ MAX_PARTITIONS = 65535  # grid z
 # HIP runs a grid of 2^32 threads or more wrongly (launch.h threads_fit; the launcher refuses it): on 64-lane
 # waves (CDNA) a split keeps its decode grid under this many blocks of up to 1024 threads. CUDA's grid
 # limits are per dimension (MAX_PARTITIONS, 65535 sequences).
-HIP_MAX_GRID_BLOCKS = 2**32 // 1024
+HIP_MAX_GRID_BLOCKS = (2**32 - 1) // 1024
 DTYPES = (torch.float16, torch.bfloat16)
 
 

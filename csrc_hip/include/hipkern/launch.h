@@ -52,13 +52,10 @@ inline bool threads_fit(int64_t blocks, int threads) {
 #endif
 }
 
-// Grid-stride kernels (a loop over blocks of work, blockIdx.x first, gridDim.x apart) launch at most this
-// many blocks: 2^16 blocks of 256 threads fill the largest GPUs many times over and stay far under HIP's
-// 2^32 threads (threads_fit), so any amount of work runs on every platform.
-constexpr int64_t kStrideGridBlocks = int64_t(1) << 16;
-inline unsigned stride_grid(int64_t work_blocks) {
-  return (unsigned)(work_blocks < kStrideGridBlocks ? work_blocks : kStrideGridBlocks);
-}
+// A grid that grows with the work (a block per block of rows) is launched in pieces of at most this many
+// blocks, each told its first block: 2^16 blocks of up to 1024 threads stay far under HIP's 2^32 threads
+// (threads_fit), and each piece still fills the largest GPUs many times over.
+constexpr int64_t kMaxLaunchBlocks = int64_t(1) << 16;
 
 // How many blocks of `kernel` fit on one SM/CU at once, into *out.
 template <typename Kernel>
