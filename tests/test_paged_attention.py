@@ -666,6 +666,13 @@ def test_split_keeps_hip_grids_under_2_pow_32_threads():
                 assert plan.num_partitions <= MAX_PARTITIONS
                 if wave == 64 and shape.blocks <= HIP_MAX_GRID_BLOCKS:
                     assert shape.blocks * plan.num_partitions <= HIP_MAX_GRID_BLOCKS, (name, seqs, size, plan)
+    # v5's per-sequence split: its num_seqs + split_target items of per-item blocks stay under the cap too
+    for seqs, kv_heads, bps in ((4096, 64, 1), (4096, 128, 4096), (1, 1, 64)):  # (the second: capped)
+        shape = make_shape(VARIANTS["v5"], seqs, kv_heads * 64, kv_heads, 2**17, 304, 64, resident=4)
+        plan = VARIANTS["v5"].plan(shape, blocks_per_slot=bps)
+        per_item = shape.blocks // seqs
+        assert plan.per_sequence and 1 <= plan.num_partitions <= 65535 - seqs
+        assert per_item * (seqs + plan.num_partitions) <= HIP_MAX_GRID_BLOCKS, (seqs, kv_heads, bps, plan)
     # a grid past the cap even unsplit (65535 x 65 KV heads) runs one pass (the launcher then judges it)
     shape = make_shape(VARIANTS["v9"], 65535, 65 * 4, 65, 2**17, 304, 64)
     assert shape.blocks > HIP_MAX_GRID_BLOCKS and _split(shape, 512).num_partitions == 1

@@ -224,8 +224,11 @@ def _plan_per_sequence(shape: Shape, blocks_per_slot: int = 1, partition_size: i
     the lengths."""
     per_item = shape.blocks // shape.num_seqs
     target = max(1, math.ceil(blocks_per_slot * shape.sm_count * shape.resident / per_item))
+    most = 65535 - shape.num_seqs  # grid y: num_seqs + target items
+    if shape.max_grid_blocks:  # (HIP) per_item x items blocks
+        most = min(most, max(1, shape.max_grid_blocks // per_item - shape.num_seqs))
     smallest = min(MAX_TOKENS, max(1, math.ceil(partition_size / shape.tile)) * shape.tile)
-    return Plan(min(target, 65535 - shape.num_seqs), smallest, per_sequence=True)
+    return Plan(min(target, most), smallest, per_sequence=True)
 
 
 VARIANTS = {
