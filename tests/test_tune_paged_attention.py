@@ -38,7 +38,6 @@ def test_paged_attention_row_round_trips(fresh, monkeypatch):
     assert rows_of(out)[0]["tbps"] == f"{(8 * 2048 * 8 * 128 * 2 + 2 * 8 * 32 * 128) * 2 / 12.5 / 1e6:.4f}"
 
 
-
 def pa_shape(batch, context, hq=32, hkv=8, d=128, dtype="bfloat16"):
     return ADAPTER.parse_shape(dict(dtype=dtype, head_size=d, block_size=16, num_q_heads=hq, num_kv_heads=hkv,
                                     kv_layout="NHD", batch=batch, context=context))

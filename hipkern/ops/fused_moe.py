@@ -373,7 +373,6 @@ def _gpu_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", 
     return out
 
 
-
 @torch.library.register_fake("hipkern::fused_moe")
 def _fake(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", expert_map=None, block_m=0, variant=""):
     _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m or None,

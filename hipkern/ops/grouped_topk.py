@@ -124,7 +124,6 @@ def _launch_out(gating_logits, correction_bias, topk, num_expert_group, topk_gro
             routed_scaling_factor, group_scoring, weights, ids)
 
 
-
 @torch.library.register_fake("hipkern::grouped_topk")
 def _fake(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring="sigmoid", renormalize=True,
           routed_scaling_factor=1.0, group_scoring="top2"):

@@ -111,7 +111,6 @@ def _gpu_impl(topk_ids, num_experts, block_m, expert_map=None):
     return outs
 
 
-
 @torch.library.register_fake("hipkern::moe_sorting")
 def _fake(topk_ids, num_experts, block_m, expert_map=None):
     _validate(topk_ids, num_experts, block_m, expert_map)

@@ -76,7 +76,6 @@ def _launch_out(gating_logits, topk, renormalize, weights, ids) -> None:
     _launch(gating_logits, topk, renormalize, weights, ids)
 
 
-
 @torch.library.register_fake("hipkern::topk_softmax")
 def _fake(gating_logits, topk, renormalize=True):
     _validate(gating_logits, topk, renormalize)
