@@ -101,3 +101,21 @@ def routing_out_overlaps(x):
     return [((buf, buf.view(torch.int32)), r"out\[0\] \(weights\) must not overlap out\[1\] \(ids\)"),
             ((x, torch.empty(x.shape, dtype=torch.int32, device=x.device)),
              r"out\[0\] \(weights\) must not overlap gating_logits")]
+
+
+def launch_piece_rows(e, dtype, t, every=1):
+    """For the routing ops (topk_softmax, grouped_topk), which launch a block per block of rows in pieces of
+    2^16 blocks (csrc_hip/include/hipkern/launch.h kMaxLaunchBlocks): the rows a block takes at E experts of
+    `dtype` (256 threads / lanes a row, as their launchers pick lanes: a 16-byte chunk a lane, the fewest
+    lanes up to a wave, else whole waves; one element a lane on the scalar path), and a sample of t rows:
+    every `every`-th, all rows within 300 of each piece's first, and the last 300."""
+    from hipkern import jit
+    wave = jit.wave_size_of(jit.current_arch())
+    vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    chunks = e // vec if e % vec == 0 else e
+    lanes = min(wave, 1 << (chunks - 1).bit_length()) if e % vec == 0 else wave
+    per_block = 256 // lanes
+    starts = torch.arange(0, t, 65536 * per_block, device="cuda")
+    near = (starts[:, None] + torch.arange(-300, 300, device="cuda")).flatten()
+    rows = torch.cat([torch.arange(0, t, every, device="cuda"), near, torch.arange(t - 300, t, device="cuda")])
+    return per_block, rows[(rows >= 0) & (rows < t)].unique()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hipkern
-from conftest import routing_out_overlaps
+from conftest import launch_piece_rows, routing_out_overlaps
 from hipkern.reference import topk_softmax_ref
 from hipkern.testing import checkAllclose, poison, poison_next_alloc
 
@@ -71,22 +71,6 @@ def test_matches_reference_large(dtype, t, e, k):
     _check(x, k, False, w, ids)
 
 
-def _round_rows(e, dtype, t):
-    """Rows a block takes (256 threads / lanes a row, as the launcher picks lanes: a 16-byte chunk a lane,
-    the fewest lanes up to a wave, else whole waves; one element a lane on the scalar path) and a sample
-    of rows: every 7th, all rows within 300 of each launch's first (a launch: 2^16 blocks of rows), the last."""
-    from hipkern import jit
-    wave = jit.wave_size_of(jit.current_arch())
-    vec = 16 // torch.empty(0, dtype=dtype).element_size()
-    chunks = e // vec if e % vec == 0 else e
-    lanes = min(wave, 1 << (chunks - 1).bit_length()) if e % vec == 0 else wave
-    per_block = 256 // lanes
-    starts = torch.arange(0, t, 65536 * per_block, device="cuda")
-    near = (starts[:, None] + torch.arange(-300, 300, device="cuda")).flatten()
-    rows = torch.cat([torch.arange(0, t, 7, device="cuda"), near, torch.arange(t - 300, t, device="cuda")])
-    return per_block, rows[(rows >= 0) & (rows < t)].unique()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,e,k", [(torch.bfloat16, 256, 8), (torch.float16, 257, 9), (torch.bfloat16, 8, 2)])
 def test_more_row_blocks_than_one_grid(dtype, e, k):
@@ -94,14 +78,14 @@ def test_more_row_blocks_than_one_grid(dtype, e, k):
     pieces of 2^16 blocks, each told its first block (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused a
     grid of 2^32 threads). Two pieces of 32-lane rows and 5 rows more: every row a valid choice, sampled rows
     of every piece and both sides of each piece's start against the reference."""
-    per_block, _ = _round_rows(e, dtype, 1)
+    per_block, _ = launch_piece_rows(e, dtype, 1)
     t = 2 * 65536 * (256 if e <= 8 else 8) + 5
     torch.manual_seed(e)
     x = _logits(t, e, dtype)
     w, ids = _run(x, k, True)
     assert int(ids.min()) >= 0 and int(ids.max()) < e and torch.isfinite(w).all()  # every row written
     assert (ids.sort(dim=1).values.diff(dim=1) != 0).all()
-    _, rows = _round_rows(e, dtype, t)
+    _, rows = launch_piece_rows(e, dtype, t, every=7)
     assert t > 65536 * per_block  # (past one grid on this GPU)
     _check(x[rows], k, True, w[rows], ids[rows])
 
