@@ -20,6 +20,7 @@
 // Weights re-read the chosen experts' logits (cached) and recompute s exactly as the key did.
 #include "hipkern/error.h"
 #include "hipkern/launch.h"
+#include "hipkern/moe.h"
 #include "hipkern/reduce.h"
 #include "hipkern/sort.h"
 #include "hipkern/vec.h"
@@ -53,7 +54,6 @@ struct Args {
   int group_scoring;
   bool renormalize;
   float scale;
-  int64_t row0;  // the launch's first row (launch(): pieces of kMaxLaunchBlocks blocks)
 };
 
 // Rank key of (b, expert): 32 value bits, 32 inverted-index bits; 0 is "none" (below every key).
@@ -141,7 +141,7 @@ __global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
   __shared__ uint32_t s_g[kRows][kGroupCap];
 
   const int g = threadIdx.x % TPR, r = threadIdx.x / TPR;
-  const int64_t row = a.row0 + (int)(blockIdx.x * kRows + r);  // (< 2^24 a launch)
+  const int64_t row = (int64_t)blockIdx.x * kRows + r;
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
@@ -232,21 +232,18 @@ __global__ __launch_bounds__(kBlockThreads) void grouped_topk_kernel(Args a) {
 
 template <typename T, int VEC, int TPR, int CPL>
 int launch(Args a, hipStream_t stream) {
-  constexpr int64_t kRows = kBlockThreads / TPR;
-  const int64_t blocks = (a.num_tokens + kRows - 1) / kRows;
   int lpg = 1;
   while (lpg * 2 * a.num_groups <= TPR) lpg *= 2;
   a.lanes_per_group = lpg;
-  // One block a block of rows, in launches of at most kMaxLaunchBlocks blocks (any number of tokens on HIP,
-  // which runs a grid of 2^32 threads or more wrongly).
-  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxLaunchBlocks) {
-    const int64_t n = blocks - b0 < kMaxLaunchBlocks ? blocks - b0 : kMaxLaunchBlocks;
-    a.row0 = b0 * (kBlockThreads / TPR);
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL>), dim3((unsigned)n),
-                       dim3(kBlockThreads), 0, stream, a);
+  // A block a block of rows, in pieces (any number of tokens on HIP, which runs a grid of 2^32 threads or more
+  // wrongly), each over its own rows.
+  return launch_rows_in_pieces(a.num_tokens, kBlockThreads / TPR, [&](int64_t r0, int64_t n, unsigned blocks) {
+    const Args p = router_rows<T>(a, r0, n);
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL>), dim3(blocks), dim3(kBlockThreads), 0,
+                       stream, p);
     HK_CHECK_LAUNCH("grouped_topk_kernel");
-  }
-  return 0;
+    return 0;
+  });
 }
 
 // Smallest (TPR, CPL) whose TPR * CPL chunks cover the row: widen the group to a full wave first,
@@ -302,6 +299,6 @@ HK_EXPORT int hk_grouped_topk(const void* logits, const float* bias, float* weig
   const int S = num_experts / num_groups;
   const Args a{logits, bias, weights, ids, num_tokens, num_experts, topk, num_groups, topk_group, S,
                (uint32_t)(((1u << kMagicShift) + S - 1) / S), 1, scoring, group_scoring, renormalize != 0,
-               scale, 0};
+               scale};
   return dispatch_elem<typename hk::elem_of<HK_DTYPE>::type>(a, static_cast<hipStream_t>(stream));
 }

@@ -11,6 +11,7 @@
 // softmax-then-topk in float32 with that rule.
 #include "hipkern/error.h"
 #include "hipkern/launch.h"
+#include "hipkern/moe.h"
 #include "hipkern/reduce.h"
 #include "hipkern/sort.h"
 #include "hipkern/vec.h"
@@ -30,7 +31,6 @@ struct Args {
   int num_experts;
   int topk;
   bool renormalize;
-  int64_t row0;  // the launch's first row (launch(): pieces of kMaxLaunchBlocks blocks)
 };
 
 // Rank key of (logit, expert); 0 (below every key of a real logit) marks "none".
@@ -65,7 +65,7 @@ __global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
   constexpr int N = VEC * CPL;                        // logits per lane
   constexpr int kSlots = (kMaxTopK + TPR - 1) / TPR;  // results kept per lane
   const int g = threadIdx.x % TPR;
-  const int64_t row = a.row0 + (int)(blockIdx.x * (kBlockThreads / TPR) + threadIdx.x / TPR);  // (< 2^24 a launch)
+  const int64_t row = (int64_t)blockIdx.x * (kBlockThreads / TPR) + threadIdx.x / TPR;
   // Groups past the last row stay to the end: the reductions need every lane of the wave.
   const bool live = row < a.num_tokens;
   const T* src = static_cast<const T*>(a.logits) + (live ? row : 0) * a.num_experts;
@@ -123,20 +123,17 @@ __global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
   }
 }
 
-// One block a block of rows, in launches of at most kMaxLaunchBlocks blocks (any number of tokens on HIP,
-// which runs a grid of 2^32 threads or more wrongly).
+// One block a block of rows, in launches of at most kMaxLaunchBlocks blocks, each over its own rows (any
+// number of tokens on HIP, which runs a grid of 2^32 threads or more wrongly).
 template <typename T, int VEC, int TPR, int CPL>
-int launch(Args a, hipStream_t stream) {
-  const int64_t rows_per_block = kBlockThreads / TPR;
-  const int64_t blocks = (a.num_tokens + rows_per_block - 1) / rows_per_block;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxLaunchBlocks) {
-    const int64_t n = blocks - b0 < kMaxLaunchBlocks ? blocks - b0 : kMaxLaunchBlocks;
-    a.row0 = b0 * (kBlockThreads / TPR);
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL>), dim3((unsigned)n),
-                       dim3(kBlockThreads), 0, stream, a);
+int launch(const Args& a, hipStream_t stream) {
+  return launch_rows_in_pieces(a.num_tokens, kBlockThreads / TPR, [&](int64_t r0, int64_t n, unsigned blocks) {
+    const Args p = router_rows<T>(a, r0, n);
+    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL>), dim3(blocks), dim3(kBlockThreads), 0,
+                       stream, p);
     HK_CHECK_LAUNCH("topk_softmax_kernel");
-  }
-  return 0;
+    return 0;
+  });
 }
 
 // Smallest (TPR, CPL) whose TPR * CPL chunks cover the row: widen the group to a full wave first,
@@ -181,6 +178,6 @@ HK_EXPORT int hk_topk_softmax(const void* logits, float* weights, int32_t* ids,
   HK_REQUIRE(topk >= 1 && topk <= kMaxTopK && topk <= num_experts);
   if (num_tokens == 0) return 0;
   HK_TRY(hk::use_device(device));
-  const Args a{logits, weights, ids, num_tokens, num_experts, topk, renormalize != 0, 0};
+  const Args a{logits, weights, ids, num_tokens, num_experts, topk, renormalize != 0};
   return dispatch_elem<typename hk::elem_of<HK_DTYPE>::type>(a, static_cast<hipStream_t>(stream));
 }

@@ -53,9 +53,22 @@ inline bool threads_fit(int64_t blocks, int threads) {
 }
 
 // A grid that grows with the work (a block per block of rows) is launched in pieces of at most this many
-// blocks, each told its first block: 2^16 blocks of up to 1024 threads stay far under HIP's 2^32 threads
+// blocks, each over its own rows: 2^16 blocks of up to 1024 threads stay far under HIP's 2^32 threads
 // (threads_fit), and each piece still fills the largest GPUs many times over.
 constexpr int64_t kMaxLaunchBlocks = int64_t(1) << 16;
+
+// `rows` rows at `rows_per_block` a block, launched in pieces of at most kMaxLaunchBlocks blocks:
+// piece(first_row, piece_rows, blocks) launches one (and returns 0 or an error code). The caller offsets
+// its pointers by first_row, so the kernel indexes rows from 0 (fewer than 2^24 a piece at <= 256 rows a block).
+template <typename Piece>
+int launch_rows_in_pieces(int64_t rows, int64_t rows_per_block, Piece piece) {
+  const int64_t per_piece = kMaxLaunchBlocks * rows_per_block;
+  for (int64_t r0 = 0; r0 < rows; r0 += per_piece) {
+    const int64_t n = rows - r0 < per_piece ? rows - r0 : per_piece;
+    HK_TRY(piece(r0, n, (unsigned)((n + rows_per_block - 1) / rows_per_block)));
+  }
+  return 0;
+}
 
 // How many blocks of `kernel` fit on one SM/CU at once, into *out.
 template <typename Kernel>

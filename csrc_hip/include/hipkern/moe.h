@@ -1,4 +1,5 @@
-// Shared by the MoE modules (moe_sorting, fused_moe): which routed pairs are computed at all.
+// Shared by the MoE modules (moe_sorting, fused_moe; the routers topk_softmax, grouped_topk): which routed
+// pairs are computed at all; a router's rows a launch.
 #pragma once
 
 #include "hipkern/platform.h"
@@ -23,6 +24,17 @@ HK_DEVICE int moe_local_expert(int e, int num_experts, const int32_t* expert_map
 // The pair's expert e if it is kept, else num_experts (the "no expert" key of the sorting paths).
 HK_DEVICE int moe_kept_expert(int e, int num_experts, const int32_t* expert_map) {
   return moe_pair_kept(e, num_experts, expert_map) ? e : num_experts;
+}
+
+// A router's arguments (topk_softmax, grouped_topk: logits of element type T, weights, ids) over its rows
+// [r0, r0 + n) alone, for one piece of launch_rows_in_pieces (launch.h).
+template <typename T, typename RouterArgs>
+inline RouterArgs router_rows(RouterArgs a, int64_t r0, int64_t n) {
+  a.logits = static_cast<const T*>(a.logits) + r0 * a.num_experts;
+  a.weights += r0 * a.topk;
+  a.ids += r0 * a.topk;
+  a.num_tokens = n;
+  return a;
 }
 
 }  // namespace hk
