@@ -88,6 +88,41 @@ def test_one_step_kernel_around_its_bounds(n_pairs, e):
             _check(ids, e, bm, _run(ids, e, bm))
 
 
+# Each kernel of the op, by (pairs, experts): the one-step one-block kernel (<= 256 of both), the general
+# one-block kernel with one expert a thread (<= 256 experts) and with four (more), the multi-block path with
+# fewer threads in its layout's grid than experts (5000 pairs: 3 chunks of 256 threads, 1024 experts), and one
+# expert.
+KERNEL_CASES = [(200, 64), (1000, 64), (1000, 300), (5000, 1024), (300, 1), (5000, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_pairs,e", KERNEL_CASES)
+@pytest.mark.parametrize("bm", [2, 3, 5, 6, 48, 100, 1024])
+def test_block_m_of_any_size(n_pairs, e, bm):
+    """block_m not a multiple of 4 (segments end between 16-byte words: the padding's 4-byte stores after
+    its 16-byte ones), and the largest, on every kernel; the outputs 16-byte aligned (fresh allocations)."""
+    torch.manual_seed(n_pairs + e + bm)
+    ids = torch.randint(0, e, (n_pairs, 1), device="cuda", dtype=torch.int32)
+    res = _run(ids, e, bm)
+    assert res[0].data_ptr() % 16 == 0
+    _check(ids, e, bm, res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_pairs,e", KERNEL_CASES)
+def test_out_of_range_ids_with_an_expert_map_match_the_reference(n_pairs, e):
+    """Ids outside [0, E) (both ends of int32 among them) together with an expert map of remote experts
+    (-1) and permuted local ids, on every kernel: dropped as the reference drops them, the map read only
+    at kept ids."""
+    torch.manual_seed(n_pairs * 7 + e)
+    ids = torch.randint(-3, e + 3, (n_pairs, 1), device="cuda", dtype=torch.int32)
+    ids[0, 0], ids[-1, 0] = -2**31, 2**31 - 1
+    expert_map = torch.randperm(e, device="cuda").to(torch.int32)
+    expert_map[torch.randperm(e, device="cuda")[: e // 2]] = -1  # e == 1: the one expert stays local
+    for bm in (1, 6, 32):
+        _check(ids, e, bm, _run(ids, e, bm, expert_map), expert_map)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k,e,bm", [(32, 8, 256, 32), (129, 9, 257, 16), (3000, 8, 64, 64)])
 @pytest.mark.parametrize("offset", [0, 1, 2, 3])
@@ -293,6 +328,9 @@ def test_arguments_on_another_device_are_rejected():
     ids = _routing(4, 2, 8)
     with pytest.raises(ValueError, match="expert_map must be on cuda:0"):
         hipkern.moe_sorting(ids, 8, 4, expert_map=torch.zeros(8, dtype=torch.int32))
+    mp = moe_sorting_max_padded(ids.numel(), 8, 4)
+    with pytest.raises(ValueError, match=r"out\[0\] \(sorted_token_ids\) must be on cuda:0"):
+        hipkern.moe_sorting(ids, 8, 4, out=tuple(torch.empty(n, dtype=torch.int32) for n in (mp, mp // 4, 1)))
 
 
 # ---------------------------------------------------------------- argument validation (any device)
@@ -321,6 +359,11 @@ def _ids(t=4, k=2, e=8):
      r"out\[0\] \(sorted_token_ids\) must have shape \(128,\)"),
     ((_ids(), 8, 16), {"out": (torch.empty(128, dtype=torch.int32), torch.empty(8), torch.empty(1, dtype=torch.int32))},
      r"out\[1\] \(expert_ids\) must be one of int32"),
+    ((_ids(), 8, 16), {"expert_map": torch.zeros(16, dtype=torch.int32)[::2]}, "expert_map must be contiguous"),
+    ((_ids(), 8, 16), {"out": tuple(torch.empty(n, dtype=torch.int32) for n in (128, 8, 2))},
+     r"out\[2\] \(num_tokens_post_padded\) must have shape \(1,\)"),
+    ((_ids(), 8, 16), {"out": (torch.empty(256, dtype=torch.int32)[::2], torch.empty(8, dtype=torch.int32),
+                               torch.empty(1, dtype=torch.int32))}, r"out\[0\] \(sorted_token_ids\) must be contiguous"),
 ])
 def test_bad_arguments_raise_value_error(args, kwargs, match):
     with pytest.raises(ValueError, match=match):

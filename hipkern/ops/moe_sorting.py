@@ -11,7 +11,7 @@ __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"
 MAX_EXPERTS = 1024
 MAX_BLOCK_M = 1024
 _INT32_MAX = 2**31 - 1
-_HEADROOM = 4096  # the kernels step a wave past the last pair; keep every index below 2^31
+_HEADROOM = 4096  # margin under 2^31 for the kernels' int32 indices past the pairs (a chunk's steps, cursors)
 
 lib.define("moe_sorting(Tensor topk_ids, int num_experts, int block_m, Tensor? expert_map=None) "
            "-> (Tensor, Tensor, Tensor)")
