@@ -139,12 +139,15 @@ class _Table:
                 if missing:
                     warnings.warn(f"hipkern tuning file {path} lacks columns {missing}; skipped", stacklevel=4)
                     return
-                rows = list(enumerate(reader, start=2))
+                rows = [(reader.line_num, raw) for raw in reader]  # the file's line (blank lines count)
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             warnings.warn(f"hipkern tuning file {path} cannot be read ({e}); skipped", stacklevel=4)
             return
-        mine, dups = {}, 0
+        mine, dups, foreign = {}, 0, 0
         for line, raw in rows:
+            if raw.get("arch") and raw["arch"].strip() != arch:  # a file may hold several archs' rows (--out)
+                foreign += 1
+                continue
             row = self._parse(raw, arch)
             if isinstance(row, str):
                 warnings.warn(f"hipkern tuning file {path}, line {line}: {row}; row skipped", stacklevel=4)
@@ -157,6 +160,11 @@ class _Table:
             if cur is None or (float(row["us"]), _date_rank(row.get("date") or "")) <= (
                     float(cur["us"]), _date_rank(cur.get("date") or "")):
                 mine[k] = row
+        if foreign and path.parent.name == arch:  # a file of the per-arch layout: those rows are misplaced
+            warnings.warn(f"hipkern tuning file {path} has {foreign} rows of other archs than {arch}; skipped",
+                          stacklevel=4)
+        elif foreign:  # one file of several archs' rows (HIPKERN_TUNING_DB naming the tuner's --out)
+            log.debug("hipkern: tuning file %s: %d rows of other archs than %s skipped", path, foreign, arch)
         if dups:
             warnings.warn(f"hipkern tuning file {path} has {dups} rows whose key an earlier row has; kept the "
                           f"fastest of each key (then the newest)", stacklevel=4)
@@ -166,7 +174,7 @@ class _Table:
         s = self.schema
         if None in raw or any(v is None for v in raw.values()):  # csv's fill for a short or a long row
             return "the row has fewer or more fields than the header"
-        if raw.get("arch") != arch:
+        if raw.get("arch", "").strip() != arch:
             return f"arch {raw.get('arch')!r} is not {arch!r}"
         if raw.get("variant") not in s.variants:
             return f"variant {raw.get('variant')!r} is not one of {sorted(s.variants)}"
@@ -178,9 +186,11 @@ class _Table:
                 if row[k] < 1 or row[k] & (row[k] - 1):
                     return f"{k}={raw[k]!r} is not a power of two"
             row["params"] = {k: int(raw[k]) for k in s.param_keys if raw.get(k) not in ("", None)}
-            float(raw["us"])
+            us = float(raw["us"])
         except (TypeError, ValueError):
             return "a number column holds something else"
+        if not (math.isfinite(us) and us > 0):
+            return f"us={raw['us']!r} is not a positive time"
         for k, v in row["params"].items():
             lo, hi = s.param_ranges.get(k, (-math.inf, math.inf))
             if not lo <= v <= hi:

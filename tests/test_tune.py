@@ -375,6 +375,9 @@ def test_cli_exit_code_says_whether_every_shape_was_tuned(fresh):
     (["test_tune:FakeTuner", "--gpus", "0,x"], "--gpus must be comma-separated"),
     (["test_tune:FakeTuner", "--time-limit", "0"], "--time-limit must be a positive"),
     (["test_tune:FakeTuner", "--arch", "sm_90"], "--arch/--cu-count only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--cu-count", "0"], "--arch/--cu-count only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--dry-run", "--arch", "sm_90", "--cu-count", "0"], "--cu-count must be a positive"),
+    (["test_tune:FakeTuner", "--dry-run", "--arch", "sm_90", "--cu-count", "-5"], "--cu-count must be a positive"),
     (["test_tune:FakeTuner", "--shapes", "/nonexistent.csv"], "--shapes: /nonexistent.csv does not exist"),
     (["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=3"], "batch='3' must be a power of two"),
     (["test_tune:FakeTuner", "--shape", "kind=ok,width"], "--shape must be key=value"),
@@ -386,6 +389,59 @@ def test_cli_exit_code_says_whether_every_shape_was_tuned(fresh):
 def test_bad_cli_input_is_a_value_error(argv, msg, fresh):
     with pytest.raises(ValueError, match=msg):
         main(argv)
+
+
+def test_a_misspelt_arch_is_named_before_any_work(fresh):
+    from hipkern.jit import JitError
+
+    with pytest.raises(JitError, match="arch 'sm90' is not a GPU architecture name"):
+        main(["test_tune:FakeTuner", "--dry-run", "--arch", "sm90", "--cu-count", "132"])
+    with pytest.raises(JitError, match="arch 'gfx' is not a GPU architecture name"):
+        main(["report", "test_tune:FakeTuner", "--arch", "gfx"])
+
+
+def _save_rows(out, widths):
+    """One tuner's saves, a shape at a time (a worker process of the test below)."""
+    for w in widths:
+        row = core.make_row(FAKE_SCHEMA, FAKE.device_info(0), {"kind": "ok", "width": w, "batch": 1}, Candidate("a"),
+                            "ok", 1.0 + w, 1, 0.0, "", {"date": "2026-11-28", "commit": ""})
+        core.save(FAKE_SCHEMA, out, [row], complete_keys={core.row_key(FAKE_SCHEMA, row)})
+
+
+def test_two_tuners_saving_into_the_same_files_keep_every_row(tmp_path):
+    """Each save reads, merges and rewrites both files; two processes at once take turns (core.files_lock)
+    rather than losing each other's rows or renaming a half-written file into place."""
+    import multiprocessing
+
+    out = tmp_path / "faketune.csv"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_save_rows, args=(out, range(i, 160, 2))) for i in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for path in (out, core.candidates_path(out)):
+        assert sorted(int(r["width"]) for r in rows_of(path)) == list(range(160)), path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["faketune.candidates.csv", "faketune.csv"]  # no temporaries
+
+
+def test_files_name_their_bad_rows_by_line_and_times_must_be_positive(fresh):
+    runner.tune(FAKE, shapes(("ok", 1), ("ok", 2)), fresh, progress=False)
+    good = fresh.read_text()
+    for bad in ("nan", "0", "-6.0", "inf"):
+        fresh.write_text(good.replace("6.000", bad))
+        with pytest.raises(ValueError, match=r"faketune.csv, line 2: not a faketune tuning row .*not positive"):
+            runner.tune(FAKE, shapes(("ok", 4)), fresh, progress=False)
+    head, *rows = good.splitlines(keepends=True)
+    fresh.write_text(head + rows[0] + "\n\n" + rows[1].replace("ok,8,2", "ok,8,two"))
+    with pytest.raises(ValueError, match=r"faketune.csv, line 5: not a faketune tuning row"):
+        runner.tune(FAKE, shapes(("ok", 4)), fresh, progress=False)
+
+
+def test_exact_keys_are_stripped_as_the_lookup_strips_them():
+    """A hand-edited "ok " is the shape "ok" for the tuner's merge too, so a re-tune replaces its row."""
+    assert core.shape_key(FAKE_SCHEMA, {"kind": "ok ", "width": " 8", "batch": "2"}) == ("ok", "8", 2)
 
 
 def test_parse_helpers():

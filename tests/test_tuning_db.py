@@ -65,8 +65,7 @@ def test_nearest_neighbour_rule(shipped, caplog):
     assert (c.variant, c.source) == ("c", "nearest")
     assert "toyop on sm_90 has no tuned row" in caplog.text and "nearest tuned row (c" in caplog.text
     assert find(8, 2048).variant == "a"  # distances: a 1, c 2, b 3
-    # equal distance 1 to batch 4 and 16: the larger buckets win
-    assert find(8, 4096).variant == "c"
+    assert find(8, 4096).variant == "c"  # distances: c 1, a 2, b 4
     assert find(16, 4096, dtype="float16").variant == "a"  # exact keys must match: only the fp16 row
     assert find(16, 4096, dtype="float32") is None  # nothing with those exact keys: heuristic
 
@@ -78,6 +77,56 @@ def test_nearest_prefers_same_cu_count_then_newer_date(shipped):
     write(shipped, [row("b", 16, 2048, cu=100, date="2026-11-01"), row("c", 16, 2048, cu=114, date="2026-11-21")])
     tuning_db.reset()
     assert find(16, 2048).variant == "c"  # same distance and buckets: the newer row
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_equal_distances_go_to_the_larger_buckets(shipped, order):
+    """Batch 8 lies one power of two from both rows: the larger bucket's row wins, in either file order
+    (the tie is decided by the rule, not by which row came first)."""
+    write(shipped, [row("a", 4, 2048), row("b", 16, 2048)][::order])
+    assert find(8, 2048).variant == "b"
+    assert find(8, 4096).variant == "b"  # distance 2 to both
+
+
+def test_another_cu_count_costs_half_a_bucket(shipped):
+    """A row of another CU count is 0.5 further: it loses to a row one bucket away on this GPU's count
+    (1.5 against 1; with no cost the two would tie, and the larger bucket would win)."""
+    write(shipped, [row("a", 16, 2048, cu=114), row("b", 4, 2048)])
+    assert find(8, 2048).variant == "b"
+
+
+def test_a_full_tie_in_one_file_goes_to_the_later_row(shipped):
+    write(shipped, [row("a", 8, 2048, us=5.0), row("b", 8, 2048, us=5.0)])
+    with pytest.warns(UserWarning, match="1 rows whose key an earlier row has"):
+        assert find(8, 2048).variant == "b"
+
+
+def test_warnings_name_the_file_s_line_past_blank_lines(shipped):
+    write(shipped, [row("a", 8, 2048)])
+    with open(shipped, "a") as fh:
+        fh.write("\n\n")
+    with open(shipped, "a", newline="") as fh:
+        csv.DictWriter(fh, fieldnames=list(SCHEMA.columns), extrasaction="ignore").writerow(row("v_old", 16, 2048))
+    with pytest.warns(UserWarning, match="toyop.csv, line 5: variant 'v_old'"):
+        assert find(16, 2048).variant == "a"
+
+
+def test_rows_of_other_archs(shipped, tmp_path, monkeypatch, recwarn):
+    """In the per-arch layout (results/<arch>/<op>.csv) a row of another arch is misplaced: one warning
+    with their count. A file of several archs' rows (the tuner's --out, named by HIPKERN_TUNING_DB) gives
+    each arch its own rows, silently."""
+    write(shipped, [row("a", 8, 2048), row("b", 16, 2048, arch="gfx942"), row("b", 32, 2048, arch="gfx942")])
+    with pytest.warns(UserWarning, match="toyop.csv has 2 rows of other archs than sm_90; skipped") as rec:
+        assert find(16, 2048).variant == "a"
+    assert len(rec) == 1
+    both = write(tmp_path / "both.csv", [row("c", 8, 2048), row("b", 8, 2048, arch="gfx942")])
+    write(shipped, [row("a", 8, 2048)])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(both))
+    tuning_db.reset()
+    recwarn.clear()
+    assert find(8, 2048).variant == "c"
+    assert lookup("toyop", "gfx942", 304, **SHAPE, batch=8, context=2048).variant == "b"
+    assert not [w for w in recwarn if "both.csv" in str(w.message)]
 
 
 def test_undated_rows_lose_ties(shipped):
@@ -118,7 +167,11 @@ def test_user_overlay_wins_row_by_row(shipped, tmp_path, monkeypatch):
     (dict(batch=6), "batch='6' is not a power of two"),
     (dict(context="x"), "a number column holds something else"),
     (dict(us="fast"), "a number column holds something else"),
-    (dict(arch="gfx942"), "arch 'gfx942' is not 'sm_90'"),
+    (dict(arch=""), "arch '' is not 'sm_90'"),
+    (dict(us="nan"), "us='nan' is not a positive time"),
+    (dict(us="inf"), "us='inf' is not a positive time"),
+    (dict(us=0), "us='0' is not a positive time"),
+    (dict(us=-1.5), "us='-1.5' is not a positive time"),
     (dict(dtype=""), "an exact key is empty"),
     (dict(dtype="  "), "an exact key is empty"),
     (dict(partition_size=0), r"partition_size=0 is outside \[1, 4096\]"),
@@ -268,6 +321,29 @@ def test_paged_attention_rows_the_op_cannot_run_are_skipped(shipped, tmp_path, m
         var = pa.VARIANTS[c.variant]
         p = pa.with_heads(var, c.params, b, 32, 8, 1024, 132)
         pa.plan_of(var, pa.make_shape(var, b, 32, 8, 1024, 132, 32, 1, p), p)
+
+
+def test_paged_attention_rows_of_kernels_the_arch_cannot_run_are_skipped(shipped, tmp_path, monkeypatch):
+    """On CDNA the matrix-core kernel of v16 and v5 does not run head size 256 (v6's smaller one does): such
+    a row (hand-written, or copied from another arch's file) is skipped with a warning, so the shape gets
+    the next row or the heuristic instead of a ValueError on every call."""
+    base = dict(arch="gfx942", cu_count=304, us=5.0, tbps=1.0, err=0.0, date="2027-01-01", commit="x",
+                dtype="bfloat16", head_size=256, block_size=16, num_q_heads=64, num_kv_heads=1, kv_layout="NHD",
+                context=4096, partition_size="", heads_per_block="", blocks_per_slot="")
+    _op_rows("paged_attention", [dict(base, variant=v, batch=b) for v, b in (("v16", 1), ("v5", 2), ("v6", 4),
+                                                                             ("v9", 32))]
+             + [dict(base, variant="v16", batch=8, head_size=128)], monkeypatch, tmp_path)
+    shape = dict(dtype="bfloat16", head_size=256, block_size=16, num_q_heads=64, num_kv_heads=1, kv_layout="NHD",
+                 context=4096)
+    with pytest.warns(UserWarning) as rec:
+        c = lookup("paged_attention", "gfx942", 304, **shape, batch=1)
+    msgs = " | ".join(str(w.message) for w in rec)
+    for line, v in ((2, "v16"), (3, "v5")):
+        assert f"line {line}: variant {v} does not run head size 256 on gfx942" in msgs
+    assert "line 4" not in msgs and "line 6" not in msgs  # v6 at 256, v16 at head size 128: both run
+    assert (c.variant, c.source) == ("v6", "nearest")
+    assert lookup("paged_attention", "gfx942", 304, **shape, batch=64).variant == "v9"
+    assert lookup("paged_attention", "gfx942", 304, **dict(shape, head_size=128), batch=8).variant == "v16"
 
 
 def test_fused_moe_rows_the_op_cannot_run_are_skipped(shipped, tmp_path, monkeypatch):

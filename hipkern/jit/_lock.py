@@ -43,9 +43,9 @@ def _acquire(fd, path, what):
         except BlockingIOError:
             if not told:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                log.info("waiting for process %s, which is building %s", holder, what)
+                log.info("waiting for process %s, which is %s", holder, what)
                 told = True
             if time.monotonic() - start > timeout:
-                raise JitError(f"timed out after {timeout:.0f}s waiting for the build lock {path} "
+                raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}) "
                                f"(HIPKERN_JIT_LOCK_TIMEOUT)") from None
             time.sleep(0.05)

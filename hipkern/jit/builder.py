@@ -154,7 +154,7 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
     if so.is_file() and not want_rebuild:
         return BuildResult(spec, arch, so, False, time.perf_counter() - t0, _resources(final_dir))
     seconds = None  # compile time when this call built it
-    with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"{spec.name} for {arch}"):
+    with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"building {spec.name} for {arch}"):
         if want_rebuild or not so.is_file():  # another process may have built it while we waited
             # Under the lock no live process builds this module: a temporary folder of it is a killed build's.
             for stale in arch_dir.glob(f".tmp-{final_dir.name}-*"):

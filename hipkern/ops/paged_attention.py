@@ -251,7 +251,8 @@ VARIANTS = {
 
 def _row_problem(row: dict) -> str | None:
     """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a parameter
-    its variant's plan does not take, or a heads_per_block its kernel lacks for the row's GQA group."""
+    its variant's plan does not take, a heads_per_block its kernel lacks for the row's GQA group, or a
+    head size its kernel does not run on the row's arch."""
     var = VARIANTS[row["variant"]]
     takes = (set(inspect.signature(var.plan).parameters) - {"shape"}) | {"heads_per_block"}
     extra = sorted(set(row["params"]) - takes)
@@ -267,6 +268,12 @@ def _row_problem(row: dict) -> str | None:
         heads_per_block(var, q // kv, row["params"])
     except ValueError as e:
         return str(e)
+    try:
+        d = int(row["head_size"])
+    except ValueError:
+        return "head_size is not an integer"
+    if not kernel_runs(var, d, jit.wave_size_of(row["arch"])):
+        return f"variant {var.name} does not run head size {d} on {row['arch']} (use v3 or v9 there)"
     return None
 
 

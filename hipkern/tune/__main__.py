@@ -6,6 +6,8 @@ import signal
 import sys
 from pathlib import Path
 
+from ..jit import JitError
+from ..jit.platform import check_arch
 from . import core, runner
 from .report import report
 
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["report"]:
         a = _report_parser().parse_args(argv[1:])
         adapter = core.load_adapter(a.op)
+        if a.arch is not None:
+            a.arch = check_arch(a.arch)
         if a.out is None and a.arch is None and not _has_gpu():
             raise ValueError("report: no GPU visible: pass --out or --arch")
         out = Path(a.out) if a.out else _default_out(adapter.op, a.arch or adapter.device_info(0)["arch"])
@@ -86,8 +90,12 @@ def main(argv=None) -> int:
     gpus = parse_gpus(a.gpus)
     if a.time_limit is not None and not a.time_limit > 0:
         raise ValueError(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
-    if (a.arch or a.cu_count) and not a.dry_run:
+    if (a.arch is not None or a.cu_count is not None) and not a.dry_run:
         raise ValueError("--arch/--cu-count only apply to --dry-run (a run asks its GPU)")
+    if a.cu_count is not None and a.cu_count < 1:
+        raise ValueError(f"--cu-count must be a positive number of CUs/SMs, got {a.cu_count}")
+    if a.arch is not None:
+        a.arch = check_arch(a.arch)  # its canonical name (sm_90a is sm_90), or a JitError naming it
     if a.dry_run and not _has_gpu() and not (a.arch and a.cu_count):
         raise ValueError("--dry-run without a GPU needs --arch and --cu-count")
     if gpus and _has_gpu():
@@ -123,7 +131,7 @@ def _interrupt(signum, frame):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except ValueError as e:
+    except (ValueError, JitError) as e:
         print(f"python -m hipkern.tune: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

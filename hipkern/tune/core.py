@@ -31,15 +31,18 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import hashlib
 import importlib
 import math
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from ..jit._lock import file_lock
 from ..testing import checkAllclose, poison, run_perftest
 
 ADAPTERS = {"paged_attention": "hipkern.tune.paged_attention:ADAPTER", "fused_moe": "hipkern.tune.fused_moe:ADAPTER"}
@@ -157,7 +160,7 @@ def read_shapes(adapter, path=None, specs=(), where=None) -> list:
         path = Path(path) if path is not None else checkout_dir() / "shapes" / f"{adapter.op}.csv"
         if not path.is_file():
             raise ValueError(f"--shapes: {path} does not exist")
-        raws += [(f"{path} line {n}", r) for n, r in enumerate(read_csv(path), start=2)]
+        raws += [(f"{path} line {n}", r) for n, r in read_csv_lines(path)]
     for s in specs:
         pairs = [p.split("=", 1) for p in s.split(",") if p.strip()]
         if any(len(p) != 2 for p in pairs):
@@ -175,7 +178,8 @@ def read_shapes(adapter, path=None, specs=(), where=None) -> list:
 # ---- rows and files -------------------------------------------------------------------------------
 
 def shape_key(schema, shape) -> tuple:
-    return tuple(str(shape[k]) for k in schema.exact_keys) + tuple(int(shape[k]) for k in schema.bucket_keys)
+    """Exact keys stripped, as the lookup reads them (tuning_db): a hand-edited "bfloat16 " is bfloat16."""
+    return tuple(str(shape[k]).strip() for k in schema.exact_keys) + tuple(int(shape[k]) for k in schema.bucket_keys)
 
 
 def row_key(schema, row) -> tuple:
@@ -215,22 +219,43 @@ def make_row(schema, info, shape, cand, status, us, nbytes, err, note, run_stamp
     return row
 
 
-def read_csv(path) -> list:
+def read_csv_lines(path) -> list:
+    """[(line, row)] of a CSV file, line as in the file (blank lines count); [] when it does not exist."""
     if not Path(path).is_file():
         return []
     with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
+        reader = csv.DictReader(fh)
+        return [(reader.line_num, r) for r in reader]
+
+
+def read_csv(path) -> list:
+    return [r for _, r in read_csv_lines(path)]
 
 
 def write_csv(path, rows, columns) -> None:
+    """Written to a temporary file of its own next to `path`, then renamed over it: a reader or a killed
+    writer never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+            w.writeheader()
+            w.writerows(rows)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def files_lock(out):
+    """An inter-process lock over the read-merge-write of a database file and its candidates file (save):
+    two tuners saving into the same files take turns instead of losing each other's rows. The lock file
+    lives in the temporary directory, named by the database's path."""
+    name = hashlib.sha1(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    return file_lock(Path(tempfile.gettempdir()) / f"hipkern-tune-{name}.lock", f"saving tuning results into {out}")
 
 
 def candidates_path(out) -> Path:
@@ -239,16 +264,17 @@ def candidates_path(out) -> Path:
 
 
 def _load(schema, path) -> list:
-    rows = read_csv(path)
-    for n, r in enumerate(rows, start=2):
+    lines = read_csv_lines(path)
+    for n, r in lines:
         try:
             row_key(schema, r), candidate_of(schema, r)
             if r.get("status", "ok") in ("ok", "", None):
-                float(r["us"])
-                [float(r[k]) for k in schema.measures if r.get(k) not in ("", None)]
+                times = [float(r["us"])] + [float(r[k]) for k in schema.measures if r.get(k) not in ("", None)]
+                if not all(math.isfinite(t) and t > 0 for t in times):
+                    raise ValueError(f"a time is not positive: {times}")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}, line {n}: not a {schema.op} tuning row ({type(e).__name__}: {e})") from None
-    return rows
+    return [r for _, r in lines]
 
 
 def merge_best(schema, rows) -> list:
@@ -321,6 +347,11 @@ def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
     (another machine's, added by hand) still compete with them, under the same rule. With default_of
     (a row -> the name of its shape's heuristic default candidate), a key's default wins within
     DEFAULT_MARGIN."""
+    with files_lock(out):
+        return _save(schema, out, new_rows, complete_keys, default_of)
+
+
+def _save(schema, out, new_rows, complete_keys, default_of) -> int:
     cpath = candidates_path(out)
     latest = {}
     for r in _load(schema, cpath) + list(new_rows):
