@@ -129,7 +129,7 @@ def main(out_dir: Path, quick: bool = False) -> int:
         torch.cuda.empty_cache()
     table.print()
     table.to_csv(out_dir / "paged_attention.csv")
-    print("\n".join(bars.paged_attention(table.rows)), flush=True)
+    print("\n".join(bars.device_lines(torch.cuda.get_device_name()) + bars.paged_attention(table.rows)), flush=True)
     return failures
 
 
