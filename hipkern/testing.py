@@ -98,6 +98,19 @@ def poison_next_alloc(device, *specs) -> None:
     del junk
 
 
+def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
+    """Fill the memory torch's caching allocator will hand out next on `device` with NaN: the cached free
+    blocks are released, then `small_mb` MB of 1 MB blocks (whole 2 MB segments of the pool for
+    allocations up to 1 MB) and `large_mb` MB of 16 MB blocks are poisoned and freed. Where an op makes
+    several buffers of its own (a workspace, then an intermediate), whichever free block each lands in is
+    NaN, unlike poison_next_alloc, which aims at given sizes."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    junk = [torch.full((1 << 18,), math.nan, device=device) for _ in range(small_mb)]
+    junk += [torch.full((1 << 22,), math.nan, device=device) for _ in range(large_mb // 16)]
+    del junk
+
+
 def rows_scaled(got: torch.Tensor, ref: torch.Tensor, cap: float = 1.0):
     """(got / s, ref / s) in float32 with s each last-dim row's largest |ref|, clamped to [2^-24, cap].
 

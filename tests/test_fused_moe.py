@@ -14,7 +14,7 @@ import torch
 import hipkern
 from hipkern.ops.fused_moe import BLOCK_MS as OP_BLOCK_MS, DECODE_MAX_BLOCK_M, block_ms_for
 from hipkern.reference import fused_moe_ref
-from hipkern.testing import checkAllclose, poison, poison_next_alloc
+from hipkern.testing import checkAllclose, poison, poison_free_memory, poison_next_alloc
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Outputs are O(1) (x ~ N(0,1), w1 ~ N(0,1)/sqrt(D), w2 ~ N(0,1)/sqrt(I)); the reference is float64 on the
@@ -548,9 +548,10 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     w[0, 0], w[0, 1] = math.inf, math.nan  # a dropped pair's weight is never used (weight x 0 would be NaN)
     ref_map = torch.where(emap >= e_local, -1, emap)  # what the kernels must do with them: drop the pair
     out = poison(torch.empty_like(x))
-    # the grouped chain's y rows from a NaN-filled block: a dropped pair's row is never written, so a combine
-    # that summed it would read NaN (the old combine did)
-    poison_next_alloc(x.device, ((t * k, d), torch.float32))
+    # the grouped chain's y rows from NaN-filled memory: a dropped pair's row is never written, so a combine
+    # that summed it would read NaN (the old combine did). y comes after the op's workspace and sorting
+    # outputs, so all the allocator's free memory is poisoned, not one block of y's size.
+    poison_free_memory(x.device)
     hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
     ref = reference(x, w1, w2, w, ids, expert_map=ref_map)
     assert checkAllclose(out, ref, msg=f"{variant} T={t} ", **TOL[dtype]) == 0
@@ -791,10 +792,7 @@ def test_internal_buffers_are_written_before_they_are_read(dtype, block_m, varia
     t, e, k = 13, 8, 2  # 26 pairs: within every variant's domain
     x, w1, w2, w, ids = make_case(t, **ODD, e=e, k=k, dtype=dtype, seed=block_m)
     hipkern.fused_moe(x, w1, w2, w, ids, block_m=block_m, variant=variant)  # module loaded outside
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    junk = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 18,) * 16 + (1 << 22,) * 4]
-    del junk  # back to the allocator's free lists, NaN-filled
+    poison_free_memory(x.device)
     run_and_check(x, w1, w2, w, ids, block_m=block_m, variant=variant)
 
 

@@ -198,6 +198,32 @@ def test_poison(dtype):
     assert (t == want[dtype]).all() if dtype in want else torch.isnan(t).all()
 
 
+@pytest.mark.gpu
+def test_poison_next_alloc_hands_the_poisoned_block_back():
+    """The next allocation of a given size (an op's own output) reads NaN, not a freed block's old values."""
+    from hipkern.testing import poison_next_alloc
+
+    for n in (7, 12345, 1 << 20):  # both of the allocator's pools
+        old = torch.zeros(n, device="cuda")
+        del old  # a freed block of zeros, as a previous call's output would be
+        poison_next_alloc("cuda", ((n,), torch.float32))
+        assert bool(torch.empty(n, device="cuda").isnan().all()), n
+
+
+@pytest.mark.gpu
+def test_poison_free_memory_poisons_every_buffer_an_op_makes_next():
+    """Several buffers of other sizes in a row (a workspace, sorting outputs, then an intermediate, as fused_moe
+    makes them) all read NaN, whichever free block each lands in."""
+    from hipkern.testing import poison_free_memory
+
+    olds = [torch.zeros(n, device="cuda") for n in (5760, 128, 25, 32000, 1 << 21)]
+    del olds
+    poison_free_memory("cuda")
+    bufs = [torch.empty(n, device="cuda") for n in (5760, 1000, 64, 32000, 300_000, 1 << 21)]  # all alive at once
+    for b in bufs:
+        assert bool(b.isnan().all()), b.numel()
+
+
 def test_poison_refuses_bool():
     with pytest.raises(TypeError, match="bool has no out-of-range value"):
         poison(torch.zeros(3, dtype=torch.bool))
