@@ -138,6 +138,15 @@ def test_key_covers_sources_headers_and_defines(jit_dir, tiny_root, tmp_path):
     assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) == changed
 
 
+def test_key_covers_hip_path(jit_dir, tiny_root, tmp_path, monkeypatch):
+    """clang puts HIP_PATH's include directory in place of --rocm-path's: another HIP_PATH, another module."""
+    tc = toolchain_or_skip("gfx942", tmp_path)
+    monkeypatch.delenv("HIP_PATH", raising=False)
+    key = jit.module_key(tiny_spec(tiny_root), "gfx942", tc)
+    monkeypatch.setenv("HIP_PATH", str(tmp_path / "other-hip"))
+    assert jit.module_key(tiny_spec(tiny_root), "gfx942", tc) != key
+
+
 def test_key_covers_headers_below_the_sources_and_not_the_cache_s_place(jit_dir, tiny_root, tmp_path):
     tc = toolchain_or_skip("sm_90", tmp_path)
     key = jit.module_key(tiny_spec(tiny_root), "sm_90", tc)
@@ -163,19 +172,21 @@ def test_rdna_archs_are_refused_with_a_clear_error():
             tc.command(arch, ["a.hip"], "a.so", [], {})
 
 
-def test_the_host_compiler_is_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch):
-    """nvcc builds a module's host code with the g++ on PATH: another g++ is another module."""
+@pytest.mark.parametrize("host", ["gcc", "g++"])
+def test_the_host_compilers_are_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch, host):
+    """nvcc preprocesses and compiles a module's host code with the gcc on PATH and links with g++: another
+    gcc or g++ is another module."""
     from hipkern.jit import toolchain
 
     toolchain_or_skip("sm_90", tmp_path)
     base = toolchain.find_toolchain("sm_90", tmp_path).version
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "g++").write_text("#!/bin/sh\necho 'g++ (Other) 99.1'\n")
-    (fake / "g++").chmod(0o755)
+    (fake / host).write_text(f"#!/bin/sh\necho '{host} (Other) 99.1'\n")
+    (fake / host).chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     other = toolchain.find_toolchain("sm_90", tmp_path).version
-    assert other != base and other.endswith("host g++ (Other) 99.1")
+    assert other != base and f"| host {host} (Other) 99.1" in other
 
 
 def test_load_tells_modules_of_one_name_apart(jit_dir, tiny_root, tmp_path, monkeypatch):
@@ -196,8 +207,20 @@ def test_compile_error_names_the_log(arch, jit_dir, tiny_root, tmp_path):
         jit.build(tiny_spec(tiny_root), arch)
     log_path = str(err.value).split("full log: ")[1].split()[0]
     assert "this is not C++" in open(log_path).read()
+    command = str(err.value).splitlines()[1]  # the compiler's command line, as the log's first line
+    assert command.startswith("$ ") and "tiny.hip" in command and command == open(log_path).readline().rstrip()
     assert not list((jit_dir / arch).glob("tiny-*/tiny.so"))
     assert not list((jit_dir / arch).glob(".tmp-*"))  # the failed build's temp dir is gone
+
+
+def test_a_damaged_cached_module_names_what_to_delete(jit_dir, tiny_root, tmp_path, monkeypatch):
+    toolchain_or_skip("sm_90", tmp_path)
+    jit.build(tiny_spec(tiny_root), "sm_90")
+    (so,) = (jit_dir / "sm_90").glob("tiny-*/tiny.so")
+    so.write_bytes(b"")  # e.g. a file torn by a crash
+    monkeypatch.setattr(builder, "_loaded", {})
+    with pytest.raises(JitError, match=r"does not load: .*delete .*tiny-.* \(or set HIPKERN_REBUILD=1\)"):
+        jit.load(tiny_spec(tiny_root), "sm_90")
 
 
 def test_compile_error_shows_the_first_errors(jit_dir, tiny_root, tmp_path):

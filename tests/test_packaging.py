@@ -1,38 +1,61 @@
-"""The installable package carries everything the JIT needs (an installed wheel builds modules)."""
+"""The installable package carries everything the JIT needs: an installed wheel builds modules and reads
+its own tuning results. The wheel is built once, from a copy of the checkout without any earlier build
+output (setuptools reuses a build/ directory, which would ship files since deleted)."""
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, toolchain_or_skip
+
+SOURCE_SUFFIXES = (".h", ".hip", ".hpp", ".cuh", ".inc")  # the sources and every header the JIT's key hashes
 
 
-def test_wheel_ships_the_hip_sources(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True)
-    (wheel,) = tmp_path.glob("hipkern-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.relative_to(REPO / "csrc_hip").as_posix() for p in (REPO / "csrc_hip").rglob("*")
-               if p.suffix in (".h", ".hip")}
-    assert sources and {f"hipkern/_csrc/{s}" for s in sources} <= names
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src") / "hipkern"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                            "scratch", ".pytest_cache", "gpu_results", "bench_results"))
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(src)], check=True)
+    (whl,) = out.glob("hipkern-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def venv_python(wheel, tmp_path_factory):
+    """A fresh venv (torch from the system site) with the wheel installed."""
+    venv = tmp_path_factory.mktemp("venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
+    return py
+
+
+def test_wheel_ships_exactly_the_hip_sources(wheel):
+    from hipkern.jit import builder
     from hipkern.jit.modules import all_specs
 
+    assert set(builder.HEADER_SUFFIXES) <= set(SOURCE_SUFFIXES)  # a header kind the key hashes is shipped too
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {f"hipkern/_csrc/{p.relative_to(REPO / 'csrc_hip').as_posix()}" for p in (REPO / "csrc_hip").rglob("*")
+               if p.suffix in SOURCE_SUFFIXES}
+    shipped = {n for n in names if n.startswith("hipkern/_csrc/") and n.endswith(SOURCE_SUFFIXES)}
+    assert sources and shipped == sources, (sorted(sources - shipped), sorted(shipped - sources))
     for spec in all_specs():  # every module's sources are among them
         assert {f"hipkern/_csrc/{s}" for s in spec.sources} <= names
 
 
-def test_installed_wheel_finds_the_shipped_tuning_results(tmp_path):
-    """A wheel installed into a fresh venv (torch from the system site) reads its own copy of the
-    tuning results, not the checkout's: a paged-attention shape of the H100 list resolves exactly."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(REPO)], check=True)
-    (wheel,) = (tmp_path / "dist").glob("hipkern-*.whl")
+def test_installed_wheel_finds_the_shipped_tuning_results(wheel, venv_python, tmp_path):
+    """The installed package reads its own copy of the tuning results, not the checkout's: a paged-attention
+    shape of the H100 list resolves exactly."""
     names = zipfile.ZipFile(wheel).namelist()
     assert "hipkern/_tuning/results/sm_90/paged_attention.csv" in names
     assert not [n for n in names if n.endswith(".candidates.csv")]
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
     probe = (
         "import hipkern, hipkern.ops.paged_attention\n"
         "from hipkern import tuning_db\n"
@@ -42,6 +65,23 @@ def test_installed_wheel_finds_the_shipped_tuning_results(tmp_path):
         "                     num_q_heads=32, num_kv_heads=8, kv_layout='NHD', batch=64, context=4096)\n"
         "assert c is not None and c.source == 'exact', c\n"
         "print(hipkern.__file__, c.variant)\n")
-    out = subprocess.run([str(py), "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run([str(venv_python), "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "site-packages" in out.stdout
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_installed_wheel_builds_a_module(venv_python, tmp_path, arch):
+    """From its own hipkern/_csrc (no checkout in sight), for both targets."""
+    toolchain_or_skip(arch, tmp_path)
+    probe = (
+        "from hipkern import jit\n"
+        "from hipkern.jit import _paths\n"
+        "assert 'site-packages' in str(_paths.csrc_root()), _paths.csrc_root()\n"
+        f"r = jit.build(jit.spec('topk_softmax', dtype='float16'), '{arch}')\n"
+        f"m = jit.load(jit.spec('topk_softmax', dtype='float16'), '{arch}')\n"
+        "print('built', r.path)\n")
+    out = subprocess.run([str(venv_python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, HIPKERN_JIT_DIR=str(tmp_path / "jit")))
+    assert out.returncode == 0, out.stderr
+    assert "built" in out.stdout

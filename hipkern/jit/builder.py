@@ -73,9 +73,11 @@ def _source_files(spec: ModuleSpec) -> list[Path]:
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inc")
 
 # Environment variables the compilers read as flags or include paths: a module built under one of them is
-# another module (nvcc: NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS; clang: CPATH and the like, CCC_OVERRIDE_OPTIONS).
+# another module (nvcc: NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS; clang: CPATH and the like, CCC_OVERRIDE_OPTIONS,
+# and HIP_PATH, whose include directory it puts in place of --rocm-path's).
 COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CPATH", "C_INCLUDE_PATH",
-                "CPLUS_INCLUDE_PATH", "CCC_OVERRIDE_OPTIONS", "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND")
+                "CPLUS_INCLUDE_PATH", "CCC_OVERRIDE_OPTIONS", "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND",
+                "HIP_PATH")
 
 
 def module_key(spec: ModuleSpec, arch: str, toolchain) -> str:
@@ -121,7 +123,7 @@ def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_di
         # The first errors (the cause; later ones often follow from it) and the end (the summary).
         shown = lines if len(lines) <= 40 else lines[:25] + [f"... ({len(lines) - 40} lines) ..."] + lines[-15:]
         raise JitError(f"building module {spec.name} for {arch} failed (exit {proc.returncode}); "
-                       f"full log: {failed}\n" + "\n".join(shown))
+                       f"full log: {failed}\n$ {' '.join(map(str, cmd))}\n" + "\n".join(shown))
     # The key hashed the sources before the compiler read them: had one changed meanwhile (a checkout, an
     # editor's save), this module could be of the new text under the old text's key.
     if module_key(spec, arch, toolchain) != key:
@@ -130,6 +132,9 @@ def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_di
     (tmp / "build.log").write_text(log_text)
     resources = parse_resources(toolchain.platform, log_text)
     (tmp / "resources.json").write_text(json.dumps({"seconds": seconds, "kernels": resources}, indent=1))
+    for f in tmp.iterdir():  # on disk before the rename makes them the cache's: a crash leaves no torn module
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
     if final_dir.exists():  # HIPKERN_REBUILD: replace file by file, so a loader never finds it missing
         for f in tmp.iterdir():
             os.replace(f, final_dir / f.name)
@@ -181,7 +186,8 @@ class Module:
         try:
             self._lib = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
         except OSError as e:
-            raise JitError(f"module {spec.name} ({path}) does not load: {e}") from e
+            raise JitError(f"module {spec.name} ({path}) does not load: {e}. If the cached file is damaged, "
+                           f"delete {path.parent} (or set HIPKERN_REBUILD=1) to build it again") from e
         abi = self._lib.hk_module_abi_version()
         if abi != ABI_VERSION:
             raise JitError(f"module {path} has ABI {abi}, this hipkern expects {ABI_VERSION}")

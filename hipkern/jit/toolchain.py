@@ -173,10 +173,11 @@ def _fingerprint(paths) -> str:
 def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
     if platform_of(arch) == "cuda":
         nvcc = _find_nvcc()
-        # nvcc compiles a module's host code with the host C++ compiler it finds on PATH (NVCC_CCBIN, in the
-        # key by itself, picks another): that compiler's version is part of what a module is built with.
-        host = shutil.which("g++") or shutil.which("gcc")
-        return Toolchain("cuda", nvcc, _version(nvcc) + (f" | host {_version(host)}" if host else ""))
+        # nvcc preprocesses and compiles a module's host code with the gcc it finds on PATH and links with g++
+        # (NVCC_CCBIN, in the key by itself, picks another): both versions are part of what a module is built
+        # with.
+        hosts = [_version(path) for name in ("gcc", "g++") if (path := shutil.which(name))]
+        return Toolchain("cuda", nvcc, " | host ".join([_version(nvcc)] + hosts))
     clang, rocm = _find_hip_clang()
     libs = _device_libs(rocm, arch, cache_dir)
     # The HIP headers and device libraries are part of what a module is built from: in the key.
