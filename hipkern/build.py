@@ -34,7 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = ap.parse_args(argv)
-    archs = args.arch or [jit.current_arch()]
+    try:
+        archs = [jit.platform.check_arch(a) for a in args.arch] if args.arch else [jit.current_arch()]
+    except jit.JitError as e:  # no GPU and no --arch, or a misspelt one: one line, not a traceback
+        print(f"python -m hipkern.build: error: {e}", file=sys.stderr)
+        return 2
     specs = select(args.only)
     if not specs:
         print(f"no module matches --only {' / '.join(args.only)}", file=sys.stderr)

@@ -9,6 +9,9 @@
   copies), with the launch queue primed so that host overhead does not leak into device time.
 * ``run_graphtest``: the same calls, back to back in one CUDA graph over rotated inputs, per call.
 * ``BenchTable``: prints a benchmark table in the reference logs' CSV style and writes it as CSV.
+* ``poison`` (NaN, or an out-of-range integer, in an output before the call, so an unwritten element
+  fails), ``poison_next_alloc`` (the next allocations of given sizes, e.g. an op's own outputs) and
+  ``poison_free_memory`` (all the memory the allocator hands out next, e.g. an op's internal buffers).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["checkAllclose", "rows_scaled", "run_perftest", "run_graphtest", "perftest", "BenchTable", "poison",
-           "l2_bytes"]
+           "poison_next_alloc", "poison_free_memory", "l2_bytes"]
 
 
 def _fmt(x: float) -> str:
@@ -65,7 +68,7 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
         if printLog:
             print(f"{head} passed~]")
         return 0.0
-    delta = (x - y).abs()[~close]  # over the mismatches only: matching NaN/Inf pairs are no delta
+    delta = (diff if integers else (x - y).abs())[~close]  # over the mismatches only: matching NaN/Inf pairs are no delta
     delta = torch.where(torch.isnan(delta), torch.full_like(delta, math.inf), delta)
     failed = bad_nonfinite > 0 or share > tol_err_ratio
     if printLog:

@@ -359,6 +359,8 @@ def test_build_only_is_repeatable_and_selects_any_pattern(capsys):
     assert {s.name for s in build.select(None)} == names
     assert build.main(["--arch", "sm_90", "--only", "no_such_module_zz"]) == 2
     assert "no_such_module_zz" in capsys.readouterr().err
+    assert build.main(["--arch", "sm9", "--only", "topk_softmax"]) == 2  # a misspelt arch: one line, no build
+    assert "error: arch 'sm9' is not a GPU architecture name" in capsys.readouterr().err
 
 
 def test_module_override_is_what_module_for_returns_then_is_undone():

@@ -106,7 +106,8 @@ def test_complex_compares_both_parts(capsys):
 
 def test_integers_past_2_pow_53_compare_exactly(capsys):
     b = torch.tensor([2**60, 7], dtype=torch.int64)
-    assert _check(capsys, torch.tensor([2**60 + 1, 7]), b, atol=0, rtol=0)[0] == 0.5  # float64 rounds them equal
+    res, out = _check(capsys, torch.tensor([2**60 + 1, 7]), b, atol=0, rtol=0)
+    assert res == 0.5 and "max abs delta:1," in out  # float64 would round them equal (and print a delta of 0)
     assert _check(capsys, torch.tensor([2**60 + 1, 7]), b, atol=1, rtol=0)[0] == 0.0
     assert _check(capsys, b.clone(), b, atol=0, rtol=0)[0] == 0.0
     assert _check(capsys, torch.tensor([5, 7], dtype=torch.int32), torch.tensor([5, 8], dtype=torch.int32),

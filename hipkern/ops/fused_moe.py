@@ -418,7 +418,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         w1: [E, 2 * I, D], the gate rows then the up rows of each expert; same dtype.
         w2: [E, D, I]; same dtype. D and I must be multiples of 8 (16-bit) or 4 (float32).
         topk_weights: float32 [T, k]. topk_ids: int32 [T, k], ids in [0, E) (E: expert_map's length
-            when given). Ids outside it are dropped without validate (undefined but in-bounds).
+            when given, else w1's first dim; 1 <= E <= 1024). Ids outside it are dropped without validate
+            (undefined but in-bounds). T x k + 128 E must stay under about 2^30 (int32 indices).
         activation: "silu" or "gelu" (exact erf form).
         expert_map: optional int32 [E_global] for expert parallelism: each expert's index into w1/w2
             (whose first dim is then the local expert count), or -1 for experts on other GPUs, whose

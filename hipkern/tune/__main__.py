@@ -34,7 +34,7 @@ def parse_where(items) -> dict:
 def _tune_parser():
     p = argparse.ArgumentParser(prog="python -m hipkern.tune", description="Tune an op's variants per shape; "
                                 "'python -m hipkern.tune report OP' prints the result.")
-    p.add_argument("op", help="an op with an adapter (paged_attention) or module:attribute")
+    p.add_argument("op", help=f"an op with an adapter ({', '.join(sorted(core.ADAPTERS))}) or module:attribute")
     p.add_argument("--shapes", help="shape list CSV (default tuning/shapes/<op>.csv; an untuned log works too)")
     p.add_argument("--shape", action="append", help="a shape as key=value,...; repeatable (then no default list)")
     p.add_argument("--where", action="append", help="only shapes with key=value; repeatable")
