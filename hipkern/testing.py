@@ -102,16 +102,28 @@ def poison_next_alloc(device, *specs) -> None:
 
 
 def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
-    """Fill the memory torch's caching allocator will hand out next on `device` with NaN: the cached free
-    blocks are released, then `small_mb` MB of 1 MB blocks (whole 2 MB segments of the pool for
-    allocations up to 1 MB) and `large_mb` MB of 16 MB blocks are poisoned and freed. Where an op makes
-    several buffers of its own (a workspace, then an intermediate), whichever free block each lands in is
-    NaN, unlike poison_next_alloc, which aims at given sizes."""
-    torch.cuda.synchronize(device)
+    """Fill the memory torch's caching allocator will hand out next on `device` with NaN, whichever free block
+    each of an op's next buffers lands in (a workspace, then an intermediate), unlike poison_next_alloc, which
+    aims at given sizes. The cached segments no tensor uses are released; every free block left inside the
+    others (beside live tensors) is claimed at its exact size (pieces of at most 1 MB in the pool for small
+    allocations), filled and freed; then `small_mb` MB of 1 MB blocks and `large_mb` MB of 16 MB blocks in new
+    segments likewise."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    torch.cuda.synchronize(index)
     torch.cuda.empty_cache()
-    junk = [torch.full((1 << 18,), math.nan, device=device) for _ in range(small_mb)]
-    junk += [torch.full((1 << 22,), math.nan, device=device) for _ in range(large_mb // 16)]
-    del junk
+    held = []
+    for _ in range(4):  # a claim may split a larger free block: claim again what is left
+        free = [(seg["segment_type"], blk["size"]) for seg in torch.cuda.memory_snapshot()
+                if seg["device"] == index for blk in seg["blocks"] if blk["state"] == "inactive"]
+        if not free:
+            break
+        for kind, size in sorted(free, key=lambda f: f[1]):  # smallest first: each the best fit for itself
+            pieces = [size] if kind == "large" else [min(1 << 20, size - o) for o in range(0, size, 1 << 20)]
+            held += [torch.full((n // 4,), math.nan, device=torch.device("cuda", index)) for n in pieces if n >= 4]
+    held += [torch.full((1 << 18,), math.nan, device=torch.device("cuda", index)) for _ in range(small_mb)]
+    held += [torch.full((1 << 22,), math.nan, device=torch.device("cuda", index)) for _ in range(large_mb // 16)]
+    del held
 
 
 def rows_scaled(got: torch.Tensor, ref: torch.Tensor, cap: float = 1.0):
