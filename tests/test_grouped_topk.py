@@ -5,14 +5,19 @@ import torch
 import hipkern
 from conftest import launch_piece_rows, routing_out_overlaps
 from hipkern.reference import grouped_topk_ref, grouped_topk_scores_ref
-from hipkern.testing import checkAllclose, poison
+from hipkern.testing import checkAllclose, poison, poison_next_alloc
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL, ATOL = 1e-5, 1e-6  # float32 kernel vs float64 reference
 # (E, groups, kept groups): DeepSeek-V3 (256/8/4), V2 (160/8/3), Kimi-K2-like (384/1/1), one expert
-# per group, groups of non-power-of-two size or count, every group kept (no group stage), the limits.
+# per group, groups of non-power-of-two size or count, every group kept (no group stage), the limits. And
+# the launcher's instances with the group stage: float32 rows of 4 and 8 chunks (16, 32), 16-bit rows of 2
+# (16); the scalar path (E not a multiple of a 16-byte chunk) at 1, 2 and 8 elements a lane (6 and 20 for
+# every dtype, 36 and 100 for 16-bit types, 130 for float32 and 16-bit), with groups narrower than their
+# lanes (6: groups of 3); one kept group of several; 64 groups of one expert.
 CONFIGS = [(8, 1, 1), (8, 4, 2), (8, 8, 3), (64, 8, 3), (64, 1, 1), (96, 3, 2), (160, 8, 3), (256, 8, 4),
-           (256, 8, 8), (256, 64, 5), (257, 1, 1), (384, 1, 1), (512, 16, 16), (512, 64, 8)]
+           (256, 8, 8), (256, 64, 5), (257, 1, 1), (384, 1, 1), (512, 16, 16), (512, 64, 8),
+           (6, 2, 1), (16, 4, 2), (20, 4, 1), (32, 4, 2), (36, 4, 3), (64, 64, 8), (100, 4, 2), (130, 2, 1)]
 
 
 def _logits(t, e, dtype, scale=2.0):
@@ -100,8 +105,9 @@ def _check_near_rows(b, gs, ids, k, g, tg):
     assert (chosen | ~clearly_in).all(), "an expert clearly inside the top k was left out"
 
 
-def _topks(e, g, tg):  # 12 and 16: several slots a lane on random data (not only on all-ties rows)
-    return sorted({k for k in (1, 2, 8, 9, 12, 16) if k <= min(16, tg * (e // g))})
+def _topks(e, g, tg):  # 12 and 16: several slots a lane on random data (not only on all-ties rows); and
+    # every expert of the kept groups where that is at most 16
+    return sorted({k for k in (1, 2, 8, 9, 12, 16, tg * (e // g)) if k <= min(16, tg * (e // g))})
 
 
 @pytest.mark.gpu
@@ -130,6 +136,7 @@ def test_deepseek_v3_shape_many_tokens(dtype, t):
     w, ids = _run(x, bias, 8, 8, 4, routed_scaling_factor=2.5)
     _check(x, bias, 8, 8, 4, w, ids, scale=2.5)
     # The bias changes the choice for many tokens (it is used), but never the weights' source.
+    poison_next_alloc(x.device, ((t, 8), torch.float32), ((t, 8), torch.int32))  # outputs from the allocator
     w0, ids0 = hipkern.grouped_topk(x, None, 8, 8, 4, routed_scaling_factor=2.5)
     assert (ids0 != ids).any(dim=1).float().mean() > 0.5
     _check(x, None, 8, 8, 4, w0, ids0, scale=2.5)
@@ -190,6 +197,31 @@ def test_group_ties_keep_the_lower_group():
     for group_scoring in ("top2", "max"):
         w, ids = _run(x, None, 3, 4, 2, group_scoring=group_scoring)
         assert ids.tolist() == [[4, 5, 8]] * 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e,g,tg", [(256, 8, 4), (130, 2, 1)])  # the vector path and the scalar path
+def test_nan_and_minus_infinity_logits(dtype, e, g, tg):
+    """Documented: NaN logits give unspecified but in-range ids; with renormalize, a token whose chosen scores
+    are all 0 (sigmoid of -inf logits) gets NaN weights, and -inf logits are chosen only after every finite
+    one (of the kept groups). Rows without either match the reference."""
+    import math
+
+    torch.manual_seed(e)
+    x, bias = _logits(64, e, dtype), _bias(e)
+    x[1, 3], x[2, :] = math.nan, math.nan
+    x[3, ::2] = math.nan
+    x[4, :] = -math.inf  # every score 0: weights 0 / 0
+    x[5, :] = -math.inf
+    x[5, 7], x[5, 9] = 1.0, -1.0  # two finite logits, in one group (group size >= 16 here)
+    w, ids = _run(x, bias, 8, g, tg)
+    assert int(ids.min()) >= 0 and int(ids.max()) < e and (ids.sort(dim=1).values.diff(dim=1) != 0).all()
+    assert w[4].isnan().all()
+    assert ids[5, :2].tolist() == [7, 9] and (w[5, 2:] == 0).all() and torch.isfinite(w[5]).all()
+    clean = torch.ones(64, dtype=torch.bool, device="cuda")
+    clean[1:6] = False
+    _check(x[clean], bias, 8, g, tg, w[clean], ids[clean])
 
 
 @pytest.mark.gpu
