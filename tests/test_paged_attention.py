@@ -102,6 +102,80 @@ def test_matches_reference(dtype, head_size, block_size, group, layout, variant)
     run_and_check(case, layout, variant)
 
 
+def strided_like(case, kinds):
+    """The same values as `case` in the strided forms serving engines pass: K and V as the two halves of one
+    fused [blocks, 2, ...] tensor ("fused_kv"), head rows padded by 8 elements ("padded_rows"), the query
+    heads a slice of a [seqs, q + 2 kv heads, D] qkv tensor ("qkv"), a query whose rows are not 16-byte
+    aligned (head stride D + 1, one element in: "q_unaligned"), the block table the first columns of a wider
+    one ("wide_table"). Memory outside the views is NaN (the table's: block 0), so a read of it shows."""
+    q, k, v, bt, cl = case
+    d = q.shape[-1]
+    if "fused_kv" in kinds:
+        kv = torch.full((k.shape[0], 2) + tuple(k.shape[1:]), math.nan, dtype=k.dtype, device=k.device)
+        kv[:, 0], kv[:, 1] = k, v
+        k, v = kv[:, 0], kv[:, 1]
+    if "padded_rows" in kinds:
+        pads = [torch.full(tuple(c.shape[:-1]) + (d + 8,), math.nan, dtype=c.dtype, device=c.device) for c in (k, v)]
+        for p_, c in zip(pads, (k, v)):
+            p_[..., :d] = c
+        k, v = (p_[..., :d] for p_ in pads)
+    if "qkv" in kinds:
+        hq = q.shape[1]
+        qkv = torch.full((q.shape[0], hq + 2 * (hq // 4 or 1), d), math.nan, dtype=q.dtype, device=q.device)
+        qkv[:, :hq] = q
+        q = qkv[:, :hq]
+    if "q_unaligned" in kinds:
+        n = q.shape[0] * q.shape[1] * (d + 1) + 1
+        flat = torch.full((n,), math.nan, dtype=q.dtype, device=q.device)
+        qu = flat[1:].as_strided(q.shape, (q.shape[1] * (d + 1), d + 1, 1))
+        qu.copy_(q)
+        q = qu
+    if "wide_table" in kinds:
+        wide = torch.zeros(bt.shape[0], bt.shape[1] + 5, dtype=bt.dtype, device=bt.device)
+        wide[:, : bt.shape[1]] = bt
+        bt = wide[:, : bt.shape[1]]
+    return q, k, v, bt, cl
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("group,head_size", [(8, 128), (64, 256), (4, 64)])
+@pytest.mark.parametrize("kinds", [("fused_kv", "qkv", "wide_table"), ("padded_rows", "q_unaligned"),
+                                   ("fused_kv", "padded_rows", "qkv", "wide_table")])
+def test_strided_inputs_as_serving_engines_pass_them(kinds, group, head_size, layout, variant):
+    """Every variant reads K/V, the query and the block table through their strides (the kernels take them:
+    block / token / head strides, the query's sequence and head strides, the table's row stride), split and
+    unsplit (mixed lengths up to 1100 tokens)."""
+    case = make_case([1, 17, 600, 1100], num_kv_heads=2 if group < 64 else 1, group=group, head_size=head_size,
+                     layout=layout, seed=group + head_size)
+    strided = strided_like(case, kinds)
+    assert not strided[1].is_contiguous() or "q_unaligned" in kinds
+    run_and_check(strided, layout, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("group,head_size", [(8, 128), (64, 256)])
+def test_internal_buffers_are_written_before_they_are_read(variant, group, head_size):
+    """The op's own buffers (the LSE, and a split's partial outputs, (m, l) states and per-sequence plan) come
+    from torch's caching allocator uninitialised: the memory it will hand out is NaN-filled first, so any
+    element read before it is written reaches the output or the LSE. Split and unsplit sequences, one empty."""
+    from hipkern.testing import poison_free_memory
+
+    q, k, v, bt, cl = make_case([0, 1, 700, 3000, 5000], num_kv_heads=2 if group < 64 else 1, group=group,
+                                head_size=head_size, seed=7)
+    if refused_here(variant, head_size):
+        pytest.skip(f"{variant} refuses head size {head_size} on this GPU (test_matches_reference checks it)")
+    hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)  # module loaded outside
+    out = poison(torch.empty_like(q))
+    poison_free_memory(q.device)
+    o, lse = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant, out=out, return_lse=True)
+    ref, ref_lse = paged_attention_ref(q, k, v, bt, cl)
+    assert check_out(o, ref, msg=f"{variant} out ") == 0
+    assert checkAllclose(lse, ref_lse, msg=f"{variant} lse ", **LSE_TOL) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("group", [1, 3, 6, 8, 12])
