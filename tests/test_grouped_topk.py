@@ -204,24 +204,30 @@ def test_group_ties_keep_the_lower_group():
 @pytest.mark.parametrize("e,g,tg", [(256, 8, 4), (130, 2, 1)])  # the vector path and the scalar path
 def test_nan_and_minus_infinity_logits(dtype, e, g, tg):
     """Documented: NaN logits give unspecified but in-range ids; with renormalize, a token whose chosen scores
-    are all 0 (sigmoid of -inf logits) gets NaN weights, and -inf logits are chosen only after every finite
-    one (of the kept groups). Rows without either match the reference."""
+    are all 0 (sigmoid of -inf logits) gets NaN weights. -inf logits score 0 and are ranked by their bias alone
+    (so with a bias they may come before finite ones), as the reference ranks them; without one, after every
+    finite logit. Rows without NaN match the reference."""
     import math
 
     torch.manual_seed(e)
-    x, bias = _logits(64, e, dtype), _bias(e)
-    x[1, 3], x[2, :] = math.nan, math.nan
-    x[3, ::2] = math.nan
-    x[4, :] = -math.inf  # every score 0: weights 0 / 0
-    x[5, :] = -math.inf
-    x[5, 7], x[5, 9] = 1.0, -1.0  # two finite logits, in one group (group size >= 16 here)
-    w, ids = _run(x, bias, 8, g, tg)
-    assert int(ids.min()) >= 0 and int(ids.max()) < e and (ids.sort(dim=1).values.diff(dim=1) != 0).all()
-    assert w[4].isnan().all()
-    assert ids[5, :2].tolist() == [7, 9] and (w[5, 2:] == 0).all() and torch.isfinite(w[5]).all()
-    clean = torch.ones(64, dtype=torch.bool, device="cuda")
-    clean[1:6] = False
-    _check(x[clean], bias, 8, g, tg, w[clean], ids[clean])
+    for bias in (None, _bias(e)):
+        x = _logits(64, e, dtype)
+        x[1, 3], x[2, :] = math.nan, math.nan
+        x[3, ::2] = math.nan
+        x[4, :] = -math.inf  # every score 0: weights 0 / 0
+        x[5, :] = -math.inf
+        x[5, 7], x[5, 9] = 1.0, -1.0  # two finite logits, in one group (group size >= 16 here)
+        w, ids = _run(x, bias, 8, g, tg)
+        assert int(ids.min()) >= 0 and int(ids.max()) < e and (ids.sort(dim=1).values.diff(dim=1) != 0).all()
+        ref_w, ref_ids = grouped_topk_ref(x[4:6], bias, 8, g, tg)
+        assert torch.equal(ids[4:6], ref_ids) and w[4].isnan().all() and ref_w[0].isnan().all()
+        assert checkAllclose(w[5], ref_w[1].float(), rtol=RTOL, atol=ATOL) == 0 and torch.isfinite(w[5]).all()
+        if bias is None:
+            assert ids[5, :2].tolist() == [7, 9] and (w[5, 2:] == 0).all()
+        clean = torch.ones(64, dtype=torch.bool, device="cuda")
+        clean[1:4] = False
+        clean[4:6] = False
+        _check(x[clean], bias, 8, g, tg, w[clean], ids[clean])
 
 
 @pytest.mark.gpu
