@@ -56,8 +56,10 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
             print(f"{head} passed~]")
         return 0.0
     integers = not (a.is_floating_point() or b.is_floating_point() or a.is_complex())
-    if integers:  # |a - b| exactly (in int64), against the tolerance in float64
-        diff = (a.to(torch.int64) - b.to(torch.int64)).abs().to(torch.float64)
+    if integers:  # a - b exactly (in int64), against the tolerance in float64
+        ai, bi = a.to(torch.int64), b.to(torch.int64)
+        d = ai - bi  # wraps where the true difference leaves int64 (a poisoned INT64_MIN against a positive value)
+        diff = torch.where((ai < bi) != (d < 0), math.inf, d.to(torch.float64).abs())
         close = diff <= atol + rtol * y.abs()
     else:
         close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
@@ -107,7 +109,8 @@ def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
     aims at given sizes. The cached segments no tensor uses are released; every free block left inside the
     others (beside live tensors) is claimed at its exact size (pieces of at most 1 MB in the pool for small
     allocations), filled and freed; then `small_mb` MB of 1 MB blocks and `large_mb` MB of 16 MB blocks in new
-    segments likewise."""
+    segments likewise. For the current stream's allocations outside CUDA-graph capture: free blocks of
+    another stream's segments or of a graph's private pool are not handed to it, nor poisoned here."""
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     torch.cuda.synchronize(index)

@@ -178,7 +178,7 @@ class _Table:
             return f"arch {raw.get('arch')!r} is not {arch!r}"
         if raw.get("variant") not in s.variants:
             return f"variant {raw.get('variant')!r} is not one of {sorted(s.variants)}"
-        row = dict(raw)
+        row = dict(raw, arch=arch)  # (" gfx942" matched after stripping: the op's own check reads the name)
         try:
             row["cu_count"] = int(raw["cu_count"])
             for k in s.bucket_keys:

@@ -146,7 +146,7 @@ def test_deepseek_v3_shape_many_tokens(dtype, t):
 @pytest.mark.parametrize("e,g,tg,k", [(256, 8, 4, 8), (8, 4, 2, 2)])
 def test_more_row_blocks_than_one_grid(e, g, tg, k):
     """Past 2^16 blocks of rows (256 / lanes-a-row rows each: 8 at E 256, 256 at E 8) the grid is launched in
-    pieces of 2^16 blocks, each told its first block (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused
+    pieces of 2^16 blocks, each over its own rows (pointers offset on the host) (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused
     a grid of 2^32 threads). Two full pieces and a third of 3 rows (DeepSeek-V3's shape: 1,048,579 tokens):
     rows from every piece and both sides of each piece's start against the reference, every row a valid
     choice."""

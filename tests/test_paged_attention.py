@@ -107,7 +107,8 @@ def strided_like(case, kinds):
     fused [blocks, 2, ...] tensor ("fused_kv"), head rows padded by 8 elements ("padded_rows"), the query
     heads a slice of a [seqs, q + 2 kv heads, D] qkv tensor ("qkv"), a query whose rows are not 16-byte
     aligned (head stride D + 1, one element in: "q_unaligned"), the block table the first columns of a wider
-    one ("wide_table"). Memory outside the views is NaN (the table's: block 0), so a read of it shows."""
+    one ("wide_table"). Cache and query memory outside the views is NaN, so a read of it shows; the table's extra
+    columns name block 0 (a wrong row stride shifts the rows read, and the output shows it)."""
     q, k, v, bt, cl = case
     d = q.shape[-1]
     if "fused_kv" in kinds:

@@ -112,6 +112,10 @@ def test_integers_past_2_pow_53_compare_exactly(capsys):
     assert _check(capsys, b.clone(), b, atol=0, rtol=0)[0] == 0.0
     assert _check(capsys, torch.tensor([5, 7], dtype=torch.int32), torch.tensor([5, 8], dtype=torch.int32),
                   atol=0, rtol=0)[0] == 0.5
+    # a poisoned int64 (its most negative value) against values whose difference leaves int64: never close
+    low = torch.full((3,), torch.iinfo(torch.int64).min)
+    assert _check(capsys, low, torch.tensor([0, 5, 2**62]), atol=0, rtol=0)[0] == 1.0
+    assert _check(capsys, low, low.clone(), atol=0, rtol=0)[0] == 0.0
 
 
 def test_inputs_are_rotated_past_the_last_level_cache(monkeypatch):

@@ -76,7 +76,7 @@ def test_matches_reference_large(dtype, t, e, k):
                                      (torch.float32, 256, 8)])
 def test_more_row_blocks_than_one_grid(dtype, e, k):
     """Past 2^16 blocks of rows (8 rows a block at E 256, 8 or 4 at E 257, 256 at E 8) the grid is launched in
-    pieces of 2^16 blocks, each told its first block (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused a
+    pieces of 2^16 blocks, each over its own rows (pointers offset on the host) (hipkern/launch.h kMaxLaunchBlocks; before, HIP refused a
     grid of 2^32 threads). Two pieces of 32-lane rows and 5 rows more: every row a valid choice, sampled rows
     of every piece and both sides of each piece's start against the reference."""
     per_block, _ = launch_piece_rows(e, dtype, 1)

@@ -346,6 +346,19 @@ def test_paged_attention_rows_of_kernels_the_arch_cannot_run_are_skipped(shipped
     assert lookup("paged_attention", "gfx942", 304, **dict(shape, head_size=128), batch=8).variant == "v16"
 
 
+def test_an_arch_with_spaces_is_the_arch(shipped, tmp_path, monkeypatch, recwarn):
+    """A hand-edited " gfx942" row is gfx942's (as the exact keys are stripped), and the op's own check reads the
+    arch's name without the spaces (it raised a JitError from every lookup of the arch)."""
+    base = dict(arch=" gfx942 ", cu_count=304, us=5.0, tbps=1.0, err=0.0, date="2027-01-01", commit="x",
+                dtype="bfloat16", head_size=128, block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout="NHD",
+                context=1024, partition_size="", heads_per_block="", blocks_per_slot="")
+    _op_rows("paged_attention", [dict(base, variant="v9", batch=8)], monkeypatch, tmp_path)
+    shape = dict(dtype="bfloat16", head_size=128, block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout="NHD",
+                 context=1024)
+    c = lookup("paged_attention", "gfx942", 304, **shape, batch=8)
+    assert (c.variant, c.source) == ("v9", "exact") and not [w for w in recwarn if "paged_attention" in str(w.message)]
+
+
 def test_fused_moe_rows_the_op_cannot_run_are_skipped(shipped, tmp_path, monkeypatch):
     """A block_m off the dtype's grid and a gemv_mma row for float32 are skipped with a warning; an empty
     block_m is the variant's default and keeps the row's variant."""

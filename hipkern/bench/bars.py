@@ -72,7 +72,7 @@ def paged_attention(rows: list[dict]) -> list[str]:
             if r["BatchSize"] == 1 and r["ContextLen"] == 256:
                 out.append(_line(f"{shape}, the smallest", f"{us:.2f} us", f"<= {PA_SMALL_US:.0f} us",
                                  us <= PA_SMALL_US, PA_SMALL_US, floor))
-            if floor is not None and floor < PA_SMALL_US:
+            elif floor is not None and floor < PA_SMALL_US:  # (the smallest shapes: judged just above)
                 out.append(_line(f"{shape}, a read floor under 10 us (the stricter reading)", f"{us:.2f} us",
                                  f"<= {PA_SMALL_US:.0f} us", us <= PA_SMALL_US, PA_SMALL_US, floor))
     return out

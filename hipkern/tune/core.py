@@ -243,7 +243,9 @@ def write_csv(path, rows, columns) -> None:
             w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
             w.writeheader()
             w.writerows(rows)
-        os.chmod(tmp, 0o644)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it (mkstemp's file is 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
