@@ -402,6 +402,73 @@ def _tma_case_outputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("i", [136, 192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_down_tiles_whose_last_k_part_is_short(dtype, i, block_m):
+    """The short down tile (three 64-wide stages of I at most 256) split over K where I is not a multiple of
+    the split (136, 192: 3 stages in 2 parts), its weights by tensor map: the stages past I's end are neither
+    loaded nor waited for. 7 tokens on 7 experts, one pair each."""
+    x, w1, w2, w, _ = make_case(7, 2048, i, 8, 1, dtype, seed=i)
+    ids = torch.arange(7, dtype=torch.int32, device="cuda")[:, None]
+    run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [32, 64])
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_long_down_tiles_over_many_items(dtype, block_m, t):
+    """I past the short tile (1536) with enough items that the down GEMM runs them whole (the database's
+    plan for the Mixtral-like shapes at 32 tokens, at a smaller D), and the gated GEMM's weights asked of L2."""
+    x, w1, w2, w, ids = make_case(t, 4096, 1536, 8, 2, dtype, seed=t)
+    run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_graph_replay_of_the_chain_routed_in_its_blocks(dtype, block_m):
+    """Up to 256 pairs the grouped GEMMs route in their blocks (no moe_sorting): captured in a CUDA graph and
+    replayed with new routing (uniform, every token on the same experts, every pair on one expert, a map
+    with half the experts remote)."""
+    t, e, k = 16, 64, 8  # 128 pairs
+    x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=dtype, seed=block_m)
+    emap, w1l, w2l, _ = half_remote(e, w1, w2, seed=block_m)
+    out, out_map = torch.empty_like(x), torch.empty_like(x)
+    kw = dict(block_m=block_m, variant="grouped")
+    hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)  # module load outside the capture
+    hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, out=out_map, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)
+        hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, out=out_map, **kw)
+    same_k = torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1) * 7 + 1
+    for seed, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, 42)),
+                          (4, uniform_ids(t, k, e, 4))):
+        x.copy_(make_tokens(t, SMALL["d"], dtype, seed))
+        w.copy_(routing_weights(t, k, seed))
+        ids.copy_(new_ids)
+        poison(out), poison(out_map)
+        g.replay()
+        torch.cuda.synchronize()
+        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"replay {seed} ", **TOL[dtype]) == 0
+        assert checkAllclose(out_map, reference(x, w1l, w2l, w, ids, expert_map=emap), msg=f"replay {seed} map ",
+                             **TOL[dtype]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m,dtype", [(128, torch.bfloat16), (64, torch.float32)])
+def test_many_m_blocks_of_one_expert_routed_in_the_blocks(block_m, dtype):
+    """200 pairs all on one expert at the largest block_m (two m-blocks of it in the blocks' own table)."""
+    t = 200
+    x, w1, w2, w, _ = make_case(t, **SMALL, e=16, k=1, dtype=dtype, seed=block_m)
+    ids = torch.full((t, 1), 11, dtype=torch.int32, device="cuda")
+    run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped")
+
+
+@pytest.mark.gpu
 def test_weights_by_tensor_map_match_the_thread_copies(tmp_path):
     """On sm_90 the 64-column weight stages (the down GEMM's short-reduction tile at block_m 16 / 32, both
     GEMMs at block_m 128: the gated one's 8 gate and 8 up rows per 16-row tile through a rank-5 map) are
@@ -690,7 +757,7 @@ def check_few_pairs(dtype, variant, block_m=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", [8, 16, 64])
+@pytest.mark.parametrize("block_m", [8, 16, 32, 64])  # 32: the database's decode rows on sm_90
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_variant(dtype, block_m):
     """The one-launch decode variant (routing in every block, a grid barrier before the combine) and

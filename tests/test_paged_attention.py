@@ -156,6 +156,27 @@ def test_strided_inputs_as_serving_engines_pass_them(kinds, group, head_size, la
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_per_block", [32, 64])
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_an_unaligned_query_into_the_wide_matrix_core_blocks(heads_per_block, head_size):
+    """The 32- and 64-head blocks (wgmma on sm_90) copy a query whose rows are not 16-byte aligned element by
+    element into their swizzled layout; the planner picks them only for many sequences, so they are pinned."""
+    case = strided_like(make_case([1, 700, 2048], num_kv_heads=1, group=64, head_size=head_size, seed=heads_per_block),
+                        ("q_unaligned",))
+    assert case[0].data_ptr() % 16
+    with pinned(Candidate.of("v16", heads_per_block=heads_per_block)):
+        run_and_check(case, variant=None)
+
+
+@pytest.mark.gpu
+def test_per_sequence_split_of_few_partitions():
+    """v5 over many KV heads (64 x 2 sequences of one-per-SM head-256 blocks) splits each sequence into at most a
+    few partitions, which its merge kernel sums with one group of threads a head."""
+    case = make_case([2048, 1500], num_kv_heads=64, group=1, head_size=256, seed=5)
+    run_and_check(case, variant="v5")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("group,head_size", [(8, 128), (64, 256)])
 def test_internal_buffers_are_written_before_they_are_read(variant, group, head_size):
@@ -179,7 +200,7 @@ def test_internal_buffers_are_written_before_they_are_read(variant, group, head_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
-@pytest.mark.parametrize("group", [1, 3, 6, 8, 12])
+@pytest.mark.parametrize("group", [1, 2, 3, 6, 8, 12])
 def test_odd_gqa_ratios_and_scale(variant, group):
     case = make_case([1, 100, 700], num_kv_heads=3, group=group, seed=group)
     run_and_check(case, variant=variant, scale=0.3)
@@ -429,19 +450,21 @@ def test_merge_of_many_partitions_odd_head_count(variant, partition_size, head_s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,partition_size,num_seqs", [("v16", 512, 32), ("v16", 128, 8), ("v3", 512, 24),
-                                                              ("v5", 256, 64)])
-def test_partials_dropped_from_l2_once_merged(variant, partition_size, num_seqs):
+@pytest.mark.parametrize("variant,partition_size,num_seqs,head_size,dtype", [
+    ("v16", 512, 32, 256, torch.bfloat16), ("v16", 512, 40, 128, torch.float16), ("v16", 128, 8, 256, torch.bfloat16),
+    ("v3", 512, 24, 256, torch.bfloat16), ("v5", 256, 64, 256, torch.bfloat16)])
+def test_partials_dropped_from_l2_once_merged(variant, partition_size, num_seqs, head_size, dtype):
     """Splits whose partial outputs are >= 4 MB (64 heads of 256: 64 KB a partition; kDropPartialsBytes in
     common.h), so that the merge kernel drops their L2 lines once it has read them (discard_l2): one and
-    two groups of threads a head (4 / 16 partitions), the uniform and the per-sequence split. (v16's 32 x 4
-    blocks do not fit one round as clusters on the H100: the benchmark's plan; 16 partitions are more than
-    a cluster; v3 never runs clusters.) A line dropped before every lane that reads it has used it would
-    give garbage. Two calls on new queries (the first's workspace reused by the second), each against the
-    reference, and a third bitwise equal to the second."""
+    two groups of threads a head (4 / 16 partitions of a 2048-token table), the uniform and the per-sequence
+    split, head sizes 256 and 128. (v16's 32 x 4 blocks do not fit one round as clusters on the H100: the
+    benchmark's plan; 16 partitions are more than a cluster; v3 never runs clusters.) A line dropped before
+    every lane that reads it has used it would give garbage. Two calls on new queries (the first's workspace
+    reused by the second), each against the reference, and a third bitwise equal to the second."""
     g = torch.Generator().manual_seed(partition_size + num_seqs)
     lens = [1, partition_size, 2048] + torch.randint(1, 2049, (num_seqs - 3,), generator=g).tolist()
-    q, k, v, bt, cl = make_case(lens, num_kv_heads=1, group=64, head_size=256, seed=num_seqs)
+    q, k, v, bt, cl = make_case(lens, num_kv_heads=1, group=64, head_size=head_size, dtype=dtype, extra_blocks=0,
+                                seed=num_seqs)  # (the table: exactly 2048 tokens)
     with pinned(Candidate.of(variant, partition_size=partition_size)):
         run_and_check((q, k, v, bt, cl), variant=None, msg=f"{variant} ")
         q2 = torch.randn(q.shape, generator=g).to(q)
