@@ -338,10 +338,15 @@ def test_split_k_in_two_parts(dtype, block_m, routed, monkeypatch):
         pytest.skip(f"the {dtype} block_m {block_m} GEMMs do not route in their blocks here")
     if not routed:
         monkeypatch.setattr(sys.modules["hipkern.ops.fused_moe"], "_block_route_pairs", lambda mod, dev: 0)
+    _split_in_two(dtype, block_m, routed, pairs_expected=torch.cuda.get_device_capability() == (9, 0))
+
+
+def _split_in_two(dtype, block_m, routed, pairs_expected):
+    """test_split_k_in_two_parts' calls (also run in a process of its own with HIPKERN_NO_CLUSTERS, below)."""
     tokens = (block_m, max(1, block_m // 2 - 1))
     (g1, c1, p1), (g2, c2, p2), _ = gemm_layouts(dtype, block_m, routed)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if torch.cuda.get_device_capability() == (9, 0):
+    if pairs_expected:
         assert p1 or g1 < 2 * sms, f"gated GEMM: {g1} blocks, no cluster pairs"
         assert p2 or g2 < 2 * sms, f"down GEMM: {g2} blocks, no cluster pairs"
     n1, n2 = g1 // 4, g2 // 4  # n-tiles a (full) m-block
@@ -355,6 +360,19 @@ def test_split_k_in_two_parts(dtype, block_m, routed, monkeypatch):
             ids = torch.tensor([[1, 3]], dtype=torch.int32, device="cuda").repeat(t, 1)
             res = run_and_check(x, w1, w2, w, ids, block_m=block_m, variant="grouped", msg=f"split 2, pairs {p1}/{p2} ")
             assert torch.equal(res, again(x, w1, w2, w, ids, block_m=block_m, variant="grouped"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,block_m", [(torch.bfloat16, 32), (torch.bfloat16, 128), (torch.float32, 64)])
+def test_split_in_two_without_clusters(dtype, block_m):
+    """HIPKERN_NO_CLUSTERS (read once a process: a process of its own): the same K splits of 2 sum their parts
+    through the partials in memory instead of cluster pairs, against the reference."""
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_fused_moe as t; "
+            "t._split_in_two(torch.%s, %d, True, pairs_expected=False); print('ok')"
+            % (str(pathlib.Path(__file__).parent), str(dtype)[6:], block_m))
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HIPKERN_NO_CLUSTERS="1"),
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
 
 
 @pytest.mark.gpu
@@ -754,6 +772,17 @@ def check_few_pairs(dtype, variant, block_m=None):
         assert checkAllclose(got, grouped, msg=f"{variant} vs grouped ", **TOL[dtype]) == 0
         if m is not None and t == 2:
             assert (got == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e", [257, 1024])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_decode_over_more_experts_than_block_threads(activation, e):
+    """The decode kernel routes in every block: more experts than its threads (each thread several), with
+    either activation, 32 pairs (its most)."""
+    x, w1, w2, w, ids = make_case(4, **SMALL, e=e, k=8, dtype=torch.bfloat16, seed=e)
+    ids[0, 0] = e - 1
+    run_and_check(x, w1, w2, w, ids, activation=activation, block_m=32, variant="decode")
 
 
 @pytest.mark.gpu
