@@ -448,32 +448,8 @@ def test_long_down_tiles_over_many_items(dtype, block_m, t):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_graph_replay_of_the_chain_routed_in_its_blocks(dtype, block_m):
     """Up to 256 pairs the grouped GEMMs route in their blocks (no moe_sorting): captured in a CUDA graph and
-    replayed with new routing (uniform, every token on the same experts, every pair on one expert, a map
-    with half the experts remote)."""
-    t, e, k = 16, 64, 8  # 128 pairs
-    x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=dtype, seed=block_m)
-    emap, w1l, w2l, _ = half_remote(e, w1, w2, seed=block_m)
-    out, out_map = torch.empty_like(x), torch.empty_like(x)
-    kw = dict(block_m=block_m, variant="grouped")
-    hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)  # module load outside the capture
-    hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, out=out_map, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)
-        hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, out=out_map, **kw)
-    same_k = torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1) * 7 + 1
-    for seed, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, 42)),
-                          (4, uniform_ids(t, k, e, 4))):
-        x.copy_(make_tokens(t, SMALL["d"], dtype, seed))
-        w.copy_(routing_weights(t, k, seed))
-        ids.copy_(new_ids)
-        poison(out), poison(out_map)
-        g.replay()
-        torch.cuda.synchronize()
-        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"replay {seed} ", **TOL[dtype]) == 0
-        assert checkAllclose(out_map, reference(x, w1l, w2l, w, ids, expert_map=emap), msg=f"replay {seed} map ",
-                             **TOL[dtype]) == 0
+    replayed with new routing (128 pairs; graph_replay_with_new_routing)."""
+    graph_replay_with_new_routing(dtype, 16, 64, 8, seed=block_m, block_m=block_m, variant="grouped")
 
 
 @pytest.mark.gpu
@@ -896,28 +872,36 @@ def test_internal_buffers_are_written_before_they_are_read(dtype, block_m, varia
 @pytest.mark.parametrize("block_m", [None, 64])  # 64: float32 on sm_90 splits the tokens in a pass of its own
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_graph_capture_and_replay_with_new_routing(dtype, block_m):
-    t, e, k = 129, 64, 8
-    x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=dtype)
-    emap, w1l, w2l, _ = half_remote(e, w1, w2)
-    out = torch.empty_like(x)
-    hipkern.fused_moe(x, w1, w2, w, ids, out=out, block_m=block_m)  # warm-up (module load) outside the capture
-    hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, activation="gelu", block_m=block_m)
+    graph_replay_with_new_routing(dtype, 129, 64, 8, block_m=block_m, map_activation="gelu", map_out=False)
+
+
+def graph_replay_with_new_routing(dtype, t, e, k, seed=0, map_activation="silu", map_out=True, **kw):
+    """Two calls captured in one CUDA graph: every expert local into out=, and half of them remote through an
+    expert_map with `map_activation` (into out= or functional, its output allocated in the capture); replayed
+    with new tokens, weights and routing (uniform, every token on the same experts, every pair on one expert),
+    each output poisoned first, against the reference."""
+    x, w1, w2, w, ids = make_case(t, **SMALL, e=e, k=k, dtype=dtype, seed=seed)
+    emap, w1l, w2l, _ = half_remote(e, w1, w2, seed=seed)
+    out, out_map = torch.empty_like(x), torch.empty_like(x)
+    mapped = dict(kw, expert_map=emap, activation=map_activation, out=out_map if map_out else None)
+    hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)  # warm-up (module load) outside the capture
+    hipkern.fused_moe(x, w1l, w2l, w, ids, **mapped)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        hipkern.fused_moe(x, w1, w2, w, ids, out=out, block_m=block_m)
-        functional = hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, activation="gelu", block_m=block_m)
+        hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)
+        out_map = hipkern.fused_moe(x, w1l, w2l, w, ids, **mapped)
     same_k = torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1) * 7 + 1
-    for seed, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, 42)),
-                          (4, uniform_ids(t, k, e, 4))):
-        x.copy_(make_tokens(t, SMALL["d"], dtype, seed))
-        w.copy_(routing_weights(t, k, seed))
+    for s, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, 42)),
+                       (4, uniform_ids(t, k, e, 4))):
+        x.copy_(make_tokens(t, SMALL["d"], dtype, s))
+        w.copy_(routing_weights(t, k, s))
         ids.copy_(new_ids)
-        poison(out), poison(functional)
+        poison(out), poison(out_map)
         g.replay()
         torch.cuda.synchronize()
-        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"replay {seed} ", **TOL[dtype]) == 0
-        assert checkAllclose(functional, reference(x, w1l, w2l, w, ids, "gelu", emap), msg=f"replay {seed} map ",
+        assert checkAllclose(out, reference(x, w1, w2, w, ids), msg=f"replay {s} ", **TOL[dtype]) == 0
+        assert checkAllclose(out_map, reference(x, w1l, w2l, w, ids, map_activation, emap), msg=f"replay {s} map ",
                              **TOL[dtype]) == 0
 
 
