@@ -113,6 +113,7 @@ def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
     another stream's segments or of a graph's private pool are not handed to it, nor poisoned here."""
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
+    dev = torch.device("cuda", index)
     torch.cuda.synchronize(index)
     torch.cuda.empty_cache()
     held = []
@@ -123,9 +124,9 @@ def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
             break
         for kind, size in sorted(free, key=lambda f: f[1]):  # smallest first: each the best fit for itself
             pieces = [size] if kind == "large" else [min(1 << 20, size - o) for o in range(0, size, 1 << 20)]
-            held += [torch.full((n // 4,), math.nan, device=torch.device("cuda", index)) for n in pieces if n >= 4]
-    held += [torch.full((1 << 18,), math.nan, device=torch.device("cuda", index)) for _ in range(small_mb)]
-    held += [torch.full((1 << 22,), math.nan, device=torch.device("cuda", index)) for _ in range(large_mb // 16)]
+            held += [torch.full((n // 4,), math.nan, device=dev) for n in pieces if n >= 4]
+    held += [torch.full((1 << 18,), math.nan, device=dev) for _ in range(small_mb)]
+    held += [torch.full((1 << 22,), math.nan, device=dev) for _ in range(large_mb // 16)]
     del held
 
 

@@ -228,10 +228,6 @@ def read_csv_lines(path) -> list:
         return [(reader.line_num, r) for r in reader]
 
 
-def read_csv(path) -> list:
-    return [r for _, r in read_csv_lines(path)]
-
-
 def write_csv(path, rows, columns) -> None:
     """Written to a temporary file of its own next to `path`, then renamed over it: a reader or a killed
     writer never sees half a file."""
