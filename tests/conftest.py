@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def sm90_build() -> bool:
+    """Whether the ops' modules here are sm_90a builds (wgmma, tensor maps, thread-block clusters, early
+    launches), which the GPU's compute capability alone does not say: HIPKERN_ARCH=sm_80 runs sm_80 builds on
+    an H100 through their PTX, without any of those (`bash .ci/gpu sm80`)."""
+    from hipkern import jit
+    return jit.current_arch() == "sm_90"
+
+
 def toolchain_or_skip(arch: str, tmp_path: Path):
     """The toolchain for `arch`, or skip (fail under HIPKERN_REQUIRE_TOOLCHAINS=1) if it is missing."""
     try:

@@ -16,6 +16,8 @@ from hipkern.ops.fused_moe import BLOCK_MS as OP_BLOCK_MS, DECODE_MAX_BLOCK_M, b
 from hipkern.reference import fused_moe_ref
 from hipkern.testing import checkAllclose, poison, poison_free_memory, poison_next_alloc
 
+from conftest import sm90_build
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Outputs are O(1) (x ~ N(0,1), w1 ~ N(0,1)/sqrt(D), w2 ~ N(0,1)/sqrt(I)); the reference is float64 on the
 # very same (already rounded) inputs, with act(gate) * up rounded to the input dtype as the kernel does.
@@ -338,7 +340,7 @@ def test_split_k_in_two_parts(dtype, block_m, routed, monkeypatch):
         pytest.skip(f"the {dtype} block_m {block_m} GEMMs do not route in their blocks here")
     if not routed:
         monkeypatch.setattr(sys.modules["hipkern.ops.fused_moe"], "_block_route_pairs", lambda mod, dev: 0)
-    _split_in_two(dtype, block_m, routed, pairs_expected=torch.cuda.get_device_capability() == (9, 0))
+    _split_in_two(dtype, block_m, routed, pairs_expected=sm90_build())
 
 
 def _split_in_two(dtype, block_m, routed, pairs_expected):
@@ -1067,8 +1069,7 @@ def test_float32_weights_and_tokens_far_from_one(block_m, side, variant, request
     ~2^108 passed here, ~2^116 give inf). The strict xfail, on that overflow alone, fails the day it is
     mended; an exact mend measured 0.3-4.4 % slower on the float32 Mixtral-like cases (NOTES.md,
     2026-11-28 (3))."""
-    overflow = (block_m == 64 and side == "huge weights" and torch.version.cuda is not None
-                and torch.cuda.get_device_capability()[0] == 9)
+    overflow = block_m == 64 and side == "huge weights" and sm90_build()
     if overflow:
         request.applymarker(pytest.mark.xfail(strict=True, raises=OverflowError,
                                               reason="SplitMath's documented limit for weights above ~2^108"))

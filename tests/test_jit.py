@@ -172,6 +172,21 @@ def test_rdna_archs_are_refused_with_a_clear_error():
             tc.command(arch, ["a.hip"], "a.so", [], {})
 
 
+def test_cuda_modules_carry_ptx_except_sm_90a(tmp_path):
+    """A module built for sm_80 / 89 carries its PTX besides the machine code, so it runs on any later GPU (the
+    driver compiles the PTX): how the sm_80 paths (cp.async, mma.sync, no tensor maps, wgmma, clusters or early
+    launches) are tested on an H100 (`bash .ci/gpu sm80`). sm_90a's PTX runs on compute capability 9.0 only:
+    machine code alone, and the wgmma define."""
+    from hipkern.jit.toolchain import Toolchain
+    tc = Toolchain("cuda", "/opt/nvcc", "v")
+    sm80 = tc.command("sm_80", ["a.hip"], "a.so", [], {})
+    assert "-gencode=arch=compute_80,code=[sm_80,compute_80]" in sm80 and "-DHK_WGMMA=1" not in sm80
+    assert "-gencode=arch=compute_89,code=[sm_89,compute_89]" in tc.command("sm_89", ["a.hip"], "a.so", [], {})
+    sm90 = tc.command("sm_90", ["a.hip"], "a.so", [], {})
+    assert "-gencode=arch=compute_90a,code=sm_90a" in sm90 and "-DHK_WGMMA=1" in sm90
+    assert not any(a.startswith("-gencode") and "compute_90a]" in a for a in sm90)
+
+
 @pytest.mark.parametrize("host", ["gcc", "g++"])
 def test_the_host_compilers_are_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch, host):
     """nvcc preprocesses and compiles a module's host code with the gcc on PATH and links with g++: another

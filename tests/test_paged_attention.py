@@ -12,6 +12,8 @@ from hipkern.testing import checkAllclose, poison, poison_next_alloc, rows_scale
 from hipkern.tune.core import Candidate
 from hipkern.tune.paged_attention import pinned
 
+from conftest import sm90_build
+
 # Output: fp32 accumulation rounded once to the output dtype (half an ulp: 2^-9 bf16, 2^-12 fp16), and
 # softmax weights rounded to the dtype for the PV product on matrix cores. atol is scaled by each row's
 # largest |reference| where that is under 1 (check_out, hipkern.testing.rows_scaled): random outputs
@@ -573,7 +575,7 @@ def test_split_merged_in_clusters(variant, heads_per_block, head_size):
     from hipkern.ops.paged_attention import merges_in_clusters
     group, kv_heads = {16: 24, 32: 40, 64: 64}[heads_per_block], 1
     mod = module_for("paged_attention", torch.cuda.current_device(), dtype="bfloat16", head_size=head_size)
-    clusters = torch.cuda.get_device_capability()[0] == 9
+    clusters = sm90_build()
     pin = {"heads_per_block": heads_per_block} if variant == "v16" else {}
     used = []
     for parts in range(2, 9):
@@ -602,7 +604,7 @@ def test_trace_records_every_point_in_order(heads_per_block, head_size):
 
     with pinned(Candidate.of("v16", partition_size=64, heads_per_block=heads_per_block)):
         t = pa_trace.run(2, 256, 64, 1 if heads_per_block == 64 else 4, head_size, calls=3)
-    clusters = torch.cuda.get_device_capability()[0] == 9
+    clusters = sm90_build()
     want = [p for p in pa_trace.POINTS if clusters or p != "cluster barrier passed"]
     assert list(t) == want
     medians = [t[p][2] for p in want]
