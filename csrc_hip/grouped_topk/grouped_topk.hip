@@ -235,15 +235,8 @@ int launch(Args a, hipStream_t stream) {
   int lpg = 1;
   while (lpg * 2 * a.num_groups <= TPR) lpg *= 2;
   a.lanes_per_group = lpg;
-  // A block a block of rows, in pieces (any number of tokens on HIP, which runs a grid of 2^32 threads or more
-  // wrongly), each over its own rows.
-  return launch_rows_in_pieces(a.num_tokens, kBlockThreads / TPR, [&](int64_t r0, int64_t n, unsigned blocks) {
-    const Args p = router_rows<T>(a, r0, n);
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(grouped_topk_kernel<T, VEC, TPR, CPL>), dim3(blocks), dim3(kBlockThreads), 0,
-                       stream, p);
-    HK_CHECK_LAUNCH("grouped_topk_kernel");
-    return 0;
-  });
+  return launch_router<T>(&grouped_topk_kernel<T, VEC, TPR, CPL>, a, kBlockThreads / TPR, kBlockThreads, stream,
+                          "launch of grouped_topk_kernel");
 }
 
 // Smallest (TPR, CPL) whose TPR * CPL chunks cover the row: widen the group to a full wave first,

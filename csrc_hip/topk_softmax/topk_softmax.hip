@@ -123,17 +123,10 @@ __global__ __launch_bounds__(kBlockThreads) void topk_softmax_kernel(Args a) {
   }
 }
 
-// One block a block of rows, in launches of at most kMaxLaunchBlocks blocks, each over its own rows (any
-// number of tokens on HIP, which runs a grid of 2^32 threads or more wrongly).
 template <typename T, int VEC, int TPR, int CPL>
 int launch(const Args& a, hipStream_t stream) {
-  return launch_rows_in_pieces(a.num_tokens, kBlockThreads / TPR, [&](int64_t r0, int64_t n, unsigned blocks) {
-    const Args p = router_rows<T>(a, r0, n);
-    hipLaunchKernelGGL(HIP_KERNEL_NAME(topk_softmax_kernel<T, VEC, TPR, CPL>), dim3(blocks), dim3(kBlockThreads), 0,
-                       stream, p);
-    HK_CHECK_LAUNCH("topk_softmax_kernel");
-    return 0;
-  });
+  return launch_router<T>(&topk_softmax_kernel<T, VEC, TPR, CPL>, a, kBlockThreads / TPR, kBlockThreads, stream,
+                          "launch of topk_softmax_kernel");
 }
 
 // Smallest (TPR, CPL) whose TPR * CPL chunks cover the row: widen the group to a full wave first,

@@ -1,7 +1,9 @@
 // Shared by the MoE modules (moe_sorting, fused_moe; the routers topk_softmax, grouped_topk): which routed
-// pairs are computed at all; a router's rows a launch.
+// pairs are computed at all; a router's launch over its rows.
 #pragma once
 
+#include "hipkern/error.h"
+#include "hipkern/launch.h"
 #include "hipkern/platform.h"
 
 namespace hk {
@@ -35,6 +37,19 @@ inline RouterArgs router_rows(RouterArgs a, int64_t r0, int64_t n) {
   a.ids += r0 * a.topk;
   a.num_tokens = n;
   return a;
+}
+
+// A router's launch: `kernel` (taking RouterArgs) over a's rows at rows_per_block rows a block of `threads`,
+// in pieces of at most kMaxLaunchBlocks blocks, each over its own rows (any number of tokens on HIP, which
+// runs a grid of 2^32 threads or more wrongly). `what` names the launch in an error.
+template <typename T, typename RouterArgs>
+int launch_router(void (*kernel)(RouterArgs), const RouterArgs& a, int64_t rows_per_block, unsigned threads,
+                  hipStream_t stream, const char* what) {
+  return launch_rows_in_pieces(a.num_tokens, rows_per_block, [&](int64_t r0, int64_t n, unsigned blocks) {
+    hipLaunchKernelGGL(kernel, dim3(blocks), dim3(threads), 0, stream, router_rows<T>(a, r0, n));
+    const hipError_t err = hipGetLastError();
+    return err == hipSuccess ? 0 : set_error((int)err, what, __FILE__, __LINE__);
+  });
 }
 
 }  // namespace hk
