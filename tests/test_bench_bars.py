@@ -59,6 +59,10 @@ def test_the_report_says_when_the_run_is_not_on_an_h100():
     assert bars.device_lines("NVIDIA H100 80GB HBM3") == []
     (line,) = bars.device_lines("NVIDIA H200")
     assert "not an H100" in line and "judge nothing" in line
+    assert bars.device_lines("NVIDIA H100 80GB HBM3", "sm_90", "sm_90") == []
+    (line,) = bars.device_lines("NVIDIA H100 80GB HBM3", "sm_80", "sm_90")  # HIPKERN_ARCH=sm_80: through PTX
+    assert "built for sm_80 (HIPKERN_ARCH), not this GPU's sm_90" in line and "judge nothing" in line
+    assert len(bars.device_lines("NVIDIA H200", "sm_80", "sm_90")) == 2
 
 
 def _moe(dtype, tokens, d, i, e, k, routing, us, mb, weight_mb=None, floor=1.0):

@@ -252,27 +252,33 @@ def test_skewed_routing(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["routed", "sorted"])
 @pytest.mark.parametrize("block_m", [8, 32, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_over_few_large_items(dtype, block_m):
+def test_split_k_over_few_large_items(dtype, block_m, routing, monkeypatch):
     """Every token on the same 2 experts with a long reduction: too few items for the grid, so the
-    GEMMs split K over blocks and the last part to arrive sums the parts. Repeated calls with new
-    routing check that the arrival counters are left at zero; repeats of one call, that the split
-    sum is deterministic."""
+    GEMMs split K over blocks (many parts) and the last part to arrive sums the parts. Repeated calls
+    with new routing check that the arrival counters are left at zero; repeats of one call, that the
+    split sum is deterministic. Both ways the GEMMs get their m-blocks (routing in their blocks, or
+    after moe_sorting: forced)."""
+    kw = {"block_m": block_m}
+    if routing == "sorted":
+        force_moe_sorting(monkeypatch)
+        kw["variant"] = "grouped"  # the chain that sorts
     t, d, i, e, k = 40, 4096, 256, 16, 2
     x, w1, w2, w, _ = make_case(t, d, i, e, k, dtype, seed=7)
     for rep in range(3):
         ids = torch.tensor([[rep, rep + 5]], dtype=torch.int32, device="cuda").repeat(t, 1)
-        res = run_and_check(x, w1, w2, w, ids, block_m=block_m, msg=f"split rep {rep} ")
-        assert torch.equal(res, again(x, w1, w2, w, ids, block_m=block_m))
+        res = run_and_check(x, w1, w2, w, ids, msg=f"split rep {rep} ", **kw)
+        assert torch.equal(res, again(x, w1, w2, w, ids, **kw))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["grouped", "decode"])
+@pytest.mark.parametrize("variant", ["grouped", "decode", "grouped-sorted"])
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("d,i", [(128, 2176), (8704, 16)], ids=["down", "gated"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
+def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant, monkeypatch):
     """A long reduction over few items, so the plan splits K 16 ways into parts whose last one is
     short: the down GEMM's 17 k-stages of 128 (I = 2176, D = 128: 2 n-tiles per m-block) become 9
     parts of 2 (34 stages of 64 at block_m 128: 12 parts of 3); the gated GEMM's reduction over D =
@@ -280,9 +286,13 @@ def test_split_k_with_a_short_last_part(dtype, d, i, block_m, variant):
     the end loads nothing, but its item's epilogue runs on its pipeline slot and reads the slot's pair
     of each token row, which must be this item's (a slot left from another item, or never written,
     sends the sums to the wrong rows or out of bounds). At block_m 64 / 128 (sm_90a) the products of
-    a part's last computing stage are still running when the stages past the end begin."""
+    a part's last computing stage are still running when the stages past the end begin. grouped-sorted:
+    the grouped chain's GEMMs on moe_sorting's m-blocks (forced), not routing in their blocks."""
     if block_m not in block_ms_for(dtype) or variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
         pytest.skip(f"block_m {block_m} is not offered for {dtype} / the {variant} variant")
+    if variant == "grouped-sorted":
+        force_moe_sorting(monkeypatch)
+        variant = "grouped"
     t, e, k = 3, 4, 2
     x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=17)
     for rep in range(2):
@@ -297,6 +307,12 @@ def route_pairs_here(dtype, block_m):
     from hipkern.ops._common import module_for
     dev = torch.cuda.current_device()
     return module_for("fused_moe", dev, dtype=str(dtype)[6:], block_m=block_m).hk_fused_moe_route_pairs(dev)
+
+
+def force_moe_sorting(monkeypatch):
+    """The grouped chain's GEMMs then take moe_sorting's m-blocks (their sorted-rows instances) at any pair
+    count, where they would route in their blocks (up to hk_fused_moe_route_pairs pairs)."""
+    monkeypatch.setattr(sys.modules["hipkern.ops.fused_moe"], "_block_route_pairs", lambda mod, dev: 0)
 
 
 def gemm_layouts(dtype, block_m, routed):
@@ -339,7 +355,7 @@ def test_split_k_in_two_parts(dtype, block_m, routed, monkeypatch):
     if routed and route_pairs_here(dtype, block_m) < 2 * block_m:
         pytest.skip(f"the {dtype} block_m {block_m} GEMMs do not route in their blocks here")
     if not routed:
-        monkeypatch.setattr(sys.modules["hipkern.ops.fused_moe"], "_block_route_pairs", lambda mod, dev: 0)
+        force_moe_sorting(monkeypatch)
     _split_in_two(dtype, block_m, routed, pairs_expected=sm90_build())
 
 
@@ -554,7 +570,7 @@ def test_grouped_routing_in_blocks_matches_moe_sorting(dtype, block_m, monkeypat
         assert checkAllclose(with_dropped, reference(x, w1, w2, w, dropped, expert_map=emap),
                              msg="dropped ids ", **TOL[dtype]) == 0
         with monkeypatch.context() as m:
-            m.setattr(op, "_block_route_pairs", lambda mod, dev: 0)
+            force_moe_sorting(m)
             assert torch.equal(res, again(x, w1, w2, w, ids, expert_map=emap, block_m=block_m,
                                           variant="grouped")), f"{t} x {k} over {e}, {routing}"
             assert torch.equal(with_dropped, again(x, w1, w2, w, dropped, expert_map=emap, block_m=block_m,

@@ -176,14 +176,17 @@ def test_cuda_modules_carry_ptx_except_sm_90a(tmp_path):
     """A module built for sm_80 / 89 carries its PTX besides the machine code, so it runs on any later GPU (the
     driver compiles the PTX): how the sm_80 paths (cp.async, mma.sync, no tensor maps, wgmma, clusters or early
     launches) are tested on an H100 (`bash .ci/gpu sm80`). sm_90a's PTX runs on compute capability 9.0 only:
-    machine code alone, and the wgmma define."""
+    machine code alone, and the wgmma define. Early launches (HK_PDL) where the device code waits: sm_90 on."""
     from hipkern.jit.toolchain import Toolchain
     tc = Toolchain("cuda", "/opt/nvcc", "v")
     sm80 = tc.command("sm_80", ["a.hip"], "a.so", [], {})
-    assert "-gencode=arch=compute_80,code=[sm_80,compute_80]" in sm80 and "-DHK_WGMMA=1" not in sm80
+    assert "-gencode=arch=compute_80,code=[sm_80,compute_80]" in sm80
+    assert "-DHK_WGMMA=1" not in sm80 and "-DHK_PDL=1" not in sm80  # its griddep_wait() is compiled out
     assert "-gencode=arch=compute_89,code=[sm_89,compute_89]" in tc.command("sm_89", ["a.hip"], "a.so", [], {})
     sm90 = tc.command("sm_90", ["a.hip"], "a.so", [], {})
-    assert "-gencode=arch=compute_90a,code=sm_90a" in sm90 and "-DHK_WGMMA=1" in sm90
+    assert "-gencode=arch=compute_90a,code=sm_90a" in sm90 and "-DHK_WGMMA=1" in sm90 and "-DHK_PDL=1" in sm90
+    sm100 = tc.command("sm_100", ["a.hip"], "a.so", [], {})  # later archs launch early too, without wgmma
+    assert "-DHK_PDL=1" in sm100 and "-DHK_WGMMA=1" not in sm100
     assert not any(a.startswith("-gencode") and "compute_90a]" in a for a in sm90)
 
 

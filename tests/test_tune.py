@@ -449,3 +449,24 @@ def test_parse_helpers():
     assert parse_where(["dtype=bfloat16", "batch=8"]) == {"dtype": "bfloat16", "batch": "8"}
     with pytest.raises(ValueError, match="--where must be key=value"):
         parse_where(["dtype"])
+
+
+def test_tuning_refuses_modules_built_for_another_arch_than_the_gpu_s(monkeypatch):
+    """HIPKERN_ARCH=sm_80 on an H100 runs sm_80 modules through their PTX (`bash .ci/gpu sm80`): their timings
+    are neither arch's, so the tuner refuses to file them as sm_80 results; the GPU's own arch (under any of
+    its names) is tuned as usual."""
+    import types
+
+    from hipkern.jit import platform
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(platform, "_device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(multi_processor_count=132, total_memory=80 << 30))
+    monkeypatch.setenv("HIPKERN_ARCH", "sm_80")
+    with pytest.raises(ValueError, match=r"HIPKERN_ARCH=sm_80 builds for sm_80, but GPU 0 is sm_90"):
+        core.gpu_info(0)
+    for name in ("sm_90", "sm_90a"):
+        monkeypatch.setenv("HIPKERN_ARCH", name)
+        assert core.gpu_info(0) == {"arch": "sm_90", "cu_count": 132, "wave": 32, "memory": 80 << 30}
+    monkeypatch.delenv("HIPKERN_ARCH")
+    assert core.gpu_info(0)["arch"] == "sm_90"

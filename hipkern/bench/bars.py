@@ -41,12 +41,17 @@ def _line(name: str, value: str, bar: str, ok: bool, bar_us: float | None = None
     return f"[bar] {name}: {value}, bar {bar}: {'met' if ok else 'NOT met'}{tail}"
 
 
-def device_lines(device_name: str) -> list[str]:
-    """A first line for the bar report where the run is not on an H100."""
-    if "H100" in device_name:
-        return []
-    return [f"[bar] this run is on {device_name}, not an H100: the bars below are the issues' H100 figures "
-            f"(copy rate {COPY_BW_TBPS} TB/s), so their verdicts judge nothing here"]
+def device_lines(device_name: str, built: str | None = None, own: str | None = None) -> list[str]:
+    """First lines for the bar report where the run is not on an H100, or where its modules are built for
+    `built` (HIPKERN_ARCH, e.g. sm_80 modules through their PTX) rather than the GPU's own arch `own`."""
+    out = []
+    if built != own:
+        out.append(f"[bar] the modules are built for {built} (HIPKERN_ARCH), not this GPU's {own}: the verdicts "
+                   "below judge nothing")
+    if "H100" not in device_name:
+        out.append(f"[bar] this run is on {device_name}, not an H100: the bars below are the issues' H100 figures "
+                   f"(copy rate {COPY_BW_TBPS} TB/s), so their verdicts judge nothing here")
+    return out
 
 
 def paged_attention(rows: list[dict]) -> list[str]:

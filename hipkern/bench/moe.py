@@ -40,7 +40,7 @@ from hipkern.ops.fused_moe import launch_choice
 from hipkern.reference import fused_moe_ref
 from hipkern.testing import BenchTable, checkAllclose, l2_bytes, poison, run_graphtest, run_perftest
 
-from . import COPY_BW_TBPS, bars
+from . import COPY_BW_TBPS, bars, built_and_own_arch
 from .floor import read_floor_us
 
 # The tests' tolerances (tests/test_fused_moe.py); fp32's is the issue's.
@@ -288,5 +288,5 @@ def main(out_dir: Path, quick: bool = False, cases: str | None = None, dtype: st
     torch.cuda.empty_cache()
     path = table.to_csv(out_dir / "moe.csv")
     print(f"\n{summary(table, [c.num for c in chosen])}\n(CSV: {path})", flush=True)
-    print("\n".join(bars.device_lines(torch.cuda.get_device_name()) + bars.moe(table.rows)), flush=True)
+    print("\n".join(bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.moe(table.rows)), flush=True)
     return failures

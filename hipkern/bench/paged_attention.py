@@ -23,7 +23,7 @@ from hipkern.ops.paged_attention import VARIANTS, choose_variant, runs_here
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import BenchTable, checkAllclose, poison, rows_scaled, run_graphtest, run_perftest
 
-from . import COPY_BW_TBPS, bars
+from . import COPY_BW_TBPS, bars, built_and_own_arch
 from .floor import read_floor_us
 
 BLOCK = 16
@@ -129,7 +129,7 @@ def main(out_dir: Path, quick: bool = False) -> int:
         torch.cuda.empty_cache()
     table.print()
     table.to_csv(out_dir / "paged_attention.csv")
-    print("\n".join(bars.device_lines(torch.cuda.get_device_name()) + bars.paged_attention(table.rows)), flush=True)
+    print("\n".join(bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.paged_attention(table.rows)), flush=True)
     return failures
 
 

@@ -52,6 +52,8 @@ class Toolchain:
                 # module also runs on an H100 (how the sm_80/89 code paths, cp.async and mma.sync without
                 # tensor maps or wgmma, are tested on one: `bash .ci/gpu sm80`).
                 gencode = f"-gencode=arch=compute_{num},code=[sm_{num},compute_{num}]"
+            if int(num.rstrip("a")) >= 90:  # the device code waits in griddep_wait(): early launches (launch.h)
+                d = d + ["-DHK_PDL=1"]
             return [self.compiler, "-x", "cu", "-std=c++17", "-O3", gencode, "-shared",
                     "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-v", "-lineinfo",
                     *inc, *d, *map(str, sources), "-o", out]

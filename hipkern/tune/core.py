@@ -112,8 +112,13 @@ def gpu_info(device) -> dict:
     if not torch.cuda.is_available():
         raise ValueError("no GPU is visible to torch: tuning needs one (--dry-run --arch A --cu-count N plans "
                          "without)")
+    arch, own = jit.current_arch(device), jit.platform._device_arch(device)
+    if arch != own:  # HIPKERN_ARCH=sm_80 on an H100 runs sm_80 modules through their PTX: timings of neither
+        raise ValueError(f"HIPKERN_ARCH={os.environ.get('HIPKERN_ARCH')} builds for {arch}, but GPU {device} is "
+                         f"{own}: its timings would be filed as {arch}'s results; tune on a GPU of that arch, or "
+                         "unset HIPKERN_ARCH")
     props = torch.cuda.get_device_properties(device)
-    return {**arch_info(jit.current_arch(device), props.multi_processor_count), "memory": props.total_memory}
+    return {**arch_info(arch, props.multi_processor_count), "memory": props.total_memory}
 
 
 def checkout_dir() -> Path:

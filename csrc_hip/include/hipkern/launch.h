@@ -106,9 +106,10 @@ inline cudaLaunchAttribute cluster_attr(dim3 cluster) {
 inline bool is_cluster(dim3 c) { return c.x * c.y * c.z > 1; }
 
 // Launch `kernel` after the work before it in `stream`, allowed to start early where the build has
-// programmatic dependent launch (CUDA sm_90a builds, HK_WGMMA: the kernel must call griddep_wait() before
-// it reads what the previous kernel writes); a plain launch elsewhere. An sm_80 build running on an sm_90
-// GPU through its PTX compiles griddep_wait() to nothing, so it must not start early there. `cluster` > 1 block: in clusters of that shape
+// programmatic dependent launch (CUDA builds for sm_90 on, which the JIT marks with -DHK_PDL=1: the kernel
+// must call griddep_wait() before it reads what the previous kernel writes); a plain launch elsewhere. An
+// sm_80 build running on an sm_90 GPU through its PTX compiles griddep_wait() to nothing, so it must not
+// start early there. `cluster` > 1 block: in clusters of that shape
 // (kClusters builds only; hipErrorNotSupported elsewhere). Returns the launch's error.
 // HIPKERN_NO_PDL set (to any value) in the environment turns the early start off (a plain launch), for comparisons.
 template <typename... Params, typename... Args>
@@ -116,7 +117,7 @@ hipError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 
                                      hipStream_t stream, dim3 cluster, Args... args) {
 #if defined(HK_PLATFORM_CUDA)
   if (is_cluster(cluster) && !kClusters) return hipErrorNotSupported;
-#if defined(HK_WGMMA)
+#if defined(HK_PDL)
   static const bool off = getenv("HIPKERN_NO_PDL") != nullptr;  // diagnostic: plain launches, to compare
 #else
   constexpr bool off = true;  // the kernels' griddep_wait() is compiled out (sm_80 / 89 device code)
