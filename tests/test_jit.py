@@ -2,6 +2,7 @@
 lock, killed builds, private cache directories and error reporting."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,6 +189,34 @@ def test_cuda_modules_carry_ptx_except_sm_90a(tmp_path):
     sm100 = tc.command("sm_100", ["a.hip"], "a.so", [], {})  # later archs launch early too, without wgmma
     assert "-DHK_PDL=1" in sm100 and "-DHK_WGMMA=1" not in sm100
     assert not any(a.startswith("-gencode") and "compute_90a]" in a for a in sm90)
+
+
+def test_which_builds_run_on_which_gpu():
+    runs_on = jit.platform.runs_on
+    assert runs_on("sm_90", "sm_90") and runs_on("sm_90a", "sm_90") and runs_on("gfx942", "gfx942")
+    assert runs_on("sm_80", "sm_90") and runs_on("sm_86", "sm_89") and runs_on("sm_89", "sm_120")  # their PTX
+    assert not runs_on("sm_90", "sm_80") and not runs_on("sm_89", "sm_80")  # later code on an earlier GPU
+    assert not runs_on("sm_90", "sm_100")  # sm_90a code runs on compute capability 9.0 only
+    assert not runs_on("sm_100a", "sm_120") and not runs_on("gfx942", "gfx90a") and not runs_on("gfx942", "sm_90")
+    assert not runs_on("sm_90", "gfx942")
+
+
+def test_an_arch_the_gpu_cannot_run_is_refused_before_a_build(monkeypatch):
+    """HIPKERN_ARCH naming code GPU 0 cannot run (sm_90a code on an A100, AMD code on an NVIDIA GPU): the op's
+    first call says so, naming both archs, instead of a launch error after a build."""
+    from hipkern.ops import _common
+    monkeypatch.setattr(jit.platform, "_device_arch", lambda index: "sm_80")
+    monkeypatch.setattr(jit, "load", lambda *a: pytest.fail("built or loaded a module the GPU cannot run"))
+    monkeypatch.setattr(_common, "_modules", {})
+    for arch in ("sm_90", "gfx942", "sm_86"):
+        monkeypatch.setenv("HIPKERN_ARCH", arch)
+        with pytest.raises(JitError, match=re.escape(f"HIPKERN_ARCH={arch} builds for {arch}, which GPU 0 (sm_80) "
+                                                     "cannot run")):
+            _common.module_for("topk_softmax", 0, dtype="float32")
+    monkeypatch.setenv("HIPKERN_ARCH", "sm_80")
+    assert jit.platform.load_arch(0) == "sm_80"
+    monkeypatch.setattr(jit.platform, "_device_arch", lambda index: "sm_90")
+    assert jit.platform.load_arch(0) == "sm_80"  # sm_80 modules on an H100: through their PTX
 
 
 @pytest.mark.parametrize("host", ["gcc", "g++"])

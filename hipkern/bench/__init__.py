@@ -56,4 +56,4 @@ def traced_module(family: str, define: str, reader: str, **params):
     spec = modules.spec(family, dtype="bfloat16", **params)
     spec = dataclasses.replace(spec, name=spec.name + "_trace", defines=spec.defines + ((define, 1),),
                                functions=spec.functions + ((reader, "i32", ("ptr", "i32")),))
-    return jit.load(spec, jit.current_arch(torch.cuda.current_device()))
+    return jit.load(spec, jit.platform.load_arch(torch.cuda.current_device()))

@@ -10,7 +10,7 @@ import functools
 import os
 import re
 
-__all__ = ["JitError", "platform_of", "wave_size_of", "current_arch", "check_arch"]
+__all__ = ["JitError", "platform_of", "wave_size_of", "current_arch", "check_arch", "runs_on", "load_arch"]
 
 
 class JitError(RuntimeError):
@@ -64,3 +64,27 @@ def current_arch(device_index: int | None = None) -> str:
     if not torch.cuda.is_available():
         raise JitError("no GPU is visible to torch and HIPKERN_ARCH is not set: cannot pick an arch")
     return _device_arch(torch.cuda.current_device() if device_index is None else device_index)
+
+
+def runs_on(built: str, gpu: str) -> bool:
+    """Whether a module built for arch `built` runs on a GPU of arch `gpu`: the same arch, or on NVIDIA an
+    earlier arch, whose PTX the module carries and the driver compiles for the GPU (toolchain.py). sm_90 is
+    built as sm_90a, whose code runs on compute capability 9.0 only; AMD code objects run on their own arch."""
+    built, gpu = check_arch(built), check_arch(gpu)
+    if built == gpu:
+        return True
+    if platform_of(built) != "cuda" or platform_of(gpu) != "cuda" or built == "sm_90" or built.endswith("a"):
+        return False
+    return int(built[3:]) <= int(gpu[3:].rstrip("a"))
+
+
+def load_arch(device_index: int) -> str:
+    """current_arch(device_index) for a module about to run on GPU `device_index`: a JitError naming both archs
+    where HIPKERN_ARCH picks code that GPU cannot run, before anything is built or launched."""
+    arch = current_arch(device_index)
+    if os.environ.get("HIPKERN_ARCH"):
+        own = _device_arch(device_index)
+        if not runs_on(arch, own):
+            raise JitError(f"HIPKERN_ARCH={os.environ['HIPKERN_ARCH']} builds for {arch}, which GPU {device_index} "
+                           f"({own}) cannot run: unset HIPKERN_ARCH, or name {own} or (NVIDIA) an earlier arch")
+    return arch

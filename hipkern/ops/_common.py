@@ -115,7 +115,7 @@ def module_for(family: str, device_index: int, **params) -> jit.Module:
     key = _module_key(family, device_index, params)
     mod = _modules.get(key)
     if mod is None:
-        mod = jit.load(jit.spec(family, **params), jit.current_arch(device_index))
+        mod = jit.load(jit.spec(family, **params), jit.platform.load_arch(device_index))
         _modules[key] = mod
     return mod
 
