@@ -455,7 +455,6 @@ def test_out_overlapping_the_inputs_or_each_other_is_rejected():
             hipkern.grouped_topk(x, None, 8, 1, 1, out=out)
         with pytest.raises(ValueError, match=match):
             torch.ops.hipkern.grouped_topk_out(x, None, 8, 1, 1, "sigmoid", True, 1.0, "top2", *out)
-    bias = torch.zeros(8, device="cuda")
     ids = torch.empty(64, 8, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"out\[1\] \(ids\) must not overlap correction_bias"):
         hipkern.grouped_topk(x, ids.view(torch.float32)[0], 8, 1, 1, out=(torch.empty(64, 8, device="cuda"), ids))

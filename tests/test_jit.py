@@ -197,7 +197,8 @@ def test_which_builds_run_on_which_gpu():
     assert runs_on("sm_80", "sm_90") and runs_on("sm_86", "sm_89") and runs_on("sm_89", "sm_120")  # their PTX
     assert not runs_on("sm_90", "sm_80") and not runs_on("sm_89", "sm_80")  # later code on an earlier GPU
     assert not runs_on("sm_90", "sm_100")  # sm_90a code runs on compute capability 9.0 only
-    assert not runs_on("sm_100a", "sm_120") and not runs_on("gfx942", "gfx90a") and not runs_on("gfx942", "sm_90")
+    assert runs_on("sm_100a", "sm_100") and not runs_on("sm_100a", "sm_120")  # arch-specific: its own GPU only
+    assert not runs_on("gfx942", "gfx90a") and not runs_on("gfx942", "sm_90") and not runs_on("gfx942", "gfx941")
     assert not runs_on("sm_90", "gfx942")
 
 

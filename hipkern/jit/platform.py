@@ -73,8 +73,10 @@ def runs_on(built: str, gpu: str) -> bool:
     built, gpu = check_arch(built), check_arch(gpu)
     if built == gpu:
         return True
-    if platform_of(built) != "cuda" or platform_of(gpu) != "cuda" or built == "sm_90" or built.endswith("a"):
+    if platform_of(built) != "cuda" or platform_of(gpu) != "cuda" or built == "sm_90":
         return False
+    if built.endswith("a"):  # arch-specific code (sm_100a): its own compute capability only
+        return built[:-1] == gpu.rstrip("a")
     return int(built[3:]) <= int(gpu[3:].rstrip("a"))
 
 
@@ -86,5 +88,6 @@ def load_arch(device_index: int) -> str:
         own = _device_arch(device_index)
         if not runs_on(arch, own):
             raise JitError(f"HIPKERN_ARCH={os.environ['HIPKERN_ARCH']} builds for {arch}, which GPU {device_index} "
-                           f"({own}) cannot run: unset HIPKERN_ARCH, or name {own} or (NVIDIA) an earlier arch")
+                           f"({own}) cannot run: unset HIPKERN_ARCH, or name {own} or (NVIDIA) an earlier arch other "
+                           "than sm_90 (built as sm_90a) and the sm_XXXa ones")
     return arch
