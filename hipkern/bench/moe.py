@@ -43,7 +43,7 @@ from hipkern.testing import BenchTable, checkAllclose, l2_bytes, poison, run_gra
 from . import COPY_BW_TBPS, bars, built_and_own_arch
 from .floor import read_floor_us
 
-# The tests' tolerances (tests/test_fused_moe.py); fp32's is the issue's.
+# The tests' tolerances (tests/moe_cases.py); fp32's is the issue's.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
 # (tokens, model_dim, inter_dim, E, topk) of the log's Test 01..10

@@ -34,7 +34,7 @@ from .core import Candidate, Pruned, arch_info, gpu_info, perftest_us
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOL = {"float32": dict(atol=1e-5, rtol=1e-3), "bfloat16": dict(atol=1e-2, rtol=1e-2),
-       "float16": dict(atol=2e-3, rtol=2e-3)}  # tests/test_fused_moe.py
+       "float16": dict(atol=2e-3, rtol=2e-3)}  # tests/moe_cases.py
 CHECK_TOKENS = 16
 # Timing budget (as in the paged-attention adapter): a candidate's timed pass aims at TIMING_US.
 TIMING_US, MIN_ITERS, MAX_ITERS = 8000.0, 3, 50
