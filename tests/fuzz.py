@@ -1,6 +1,6 @@
 """Randomized correctness sweep ("fuzz") for paged_attention_decode and fused_moe.
 
-Draws random *combinations* of what tests/test_paged_attention.py and tests/test_fused_moe.py cover
+Draws random *combinations* of what tests/test_paged_attention*.py and tests/test_fused_moe*.py cover
 on grids; checks each against those tests' references and per-dtype tolerances (checkAllclose,
 tol_err_ratio 0), writing into NaN-poisoned out= buffers.
 
@@ -11,7 +11,7 @@ tol_err_ratio 0), writing into NaN-poisoned out= buffers.
     set to NaN; sometimes a custom scale, sometimes return_lse (checked against the reference LSE, the op's
     own LSE tensor poisoned first); sometimes strided inputs as serving engines pass them (K / V halves of
     one fused tensor, padded head rows, the query a slice of qkv or not 16-byte aligned, the block table
-    the first columns of a wider one: test_paged_attention.strided_like).
+    the first columns of a wider one: pa_cases.strided_like).
     Each case runs variant=None and every registered variant (sometimes an alias) against one reference.
   fused_moe: dtype (bf16/fp16, sometimes fp32), T, D, I, E, topk (sometimes up to 16), a routing pattern (uniform, all tokens
     on the same k experts, half the experts empty, 80% of pairs on one expert), sometimes an expert_map
@@ -46,7 +46,7 @@ DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.flo
 # scaled by each token's routing-weight sum where that exceeds 1: see run_moe).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_cases import TOL as MOE_TOL  # noqa: E402
-from test_paged_attention import LSE_TOL, TOL as PA_TOL, strided_like  # noqa: E402
+from pa_cases import LSE_TOL, TOL as PA_TOL, strided_like  # noqa: E402
 PA_KV_BYTES, MOE_W_BYTES = 300 << 20, 200 << 20  # per case: the K + V pool; w1 + w2
 GROUPS = (1, 2, 3, 4, 5, 8, 16, 24, 40, 64)  # all <= P.MAX_GQA
 BLOCK_SIZES = (1, 2, 4, 8, 16, 16, 16, 32, 32, 32, 64, 128, 256, 512, 1024)  # the op: powers of two <= 1024
@@ -55,7 +55,7 @@ TOKENS = (1, 2, 3, 4, 5, 7, 8, 16, 31, 33, 64, 129, 300)
 EXPERTS = (1, 2, 8, 9, 64, 256, 257)
 DIMS = (64, 200, 256, 320, 1000, 2880)
 ROUTINGS = ("uniform", "same", "half_empty", "skew")
-STRIDED = ("fused_kv", "padded_rows", "qkv", "q_unaligned", "wide_table")  # test_paged_attention.strided_like
+STRIDED = ("fused_kv", "padded_rows", "qkv", "q_unaligned", "wide_table")  # pa_cases.strided_like
 
 
 # ------------------------------------------------------------------------------ paged attention

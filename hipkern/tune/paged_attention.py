@@ -41,7 +41,7 @@ FILL_BLOCKS_PER_SM = 64
 POOL_MAX_BYTES = 8 << 30  # K and V together; also at most a quarter of the GPU's memory
 POOL_MIN_BYTES = 1 << 30
 CHECK_SEQS = 4  # sequences compared against the reference (first, last, two between)
-TOL = {"bfloat16": dict(atol=8e-3, rtol=8e-3), "float16": dict(atol=1e-3, rtol=1e-3)}  # tests/test_paged_attention
+TOL = {"bfloat16": dict(atol=8e-3, rtol=8e-3), "float16": dict(atol=1e-3, rtol=1e-3)}  # tests/pa_cases.py
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Timing budget and the estimate's model (H100): each candidate's timed pass aims at TIMING_US of GPU
 # time; run_perftest spends about (2 + SLEEP) passes (a dry pass, a stream-holding sleep of about
