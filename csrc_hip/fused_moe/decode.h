@@ -16,7 +16,7 @@
 // itself waiting, so the grid cannot deadlock while all its blocks are resident.
 #pragma once
 
-#include "gemm.h"
+#include "gemm_launch.h"
 #include "hipkern/moe.h"
 
 namespace hk {

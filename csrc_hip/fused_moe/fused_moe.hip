@@ -14,8 +14,8 @@
 // registers, the combine in the down kernel; two launches, no sorting.
 // Variant "gemv_mma" (gemv.h, fp16/bf16): "gemv" with the pairs of one expert computed together on
 // matrix cores in both launches, for routings that pile pairs onto experts.
-// gemm.h has the work plan and pipeline, math.h the arithmetic: matrix cores for fp16/bf16, FMAs
-// for fp32. One module per (dtype, block_m).
+// gemm.h has the work plan and pipeline (gemm_launch.h its launch), math.h the arithmetic: matrix cores
+// for fp16/bf16, FMAs for fp32. One module per (dtype, block_m).
 #include <type_traits>
 
 #include "decode.h"
