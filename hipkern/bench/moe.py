@@ -288,5 +288,6 @@ def main(out_dir: Path, quick: bool = False, cases: str | None = None, dtype: st
     torch.cuda.empty_cache()
     path = table.to_csv(out_dir / "moe.csv")
     print(f"\n{summary(table, [c.num for c in chosen])}\n(CSV: {path})", flush=True)
-    print("\n".join(bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.moe(table.rows)), flush=True)
+    report = bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.moe(table.rows)
+    print("\n".join(report), flush=True)
     return failures

@@ -129,7 +129,8 @@ def main(out_dir: Path, quick: bool = False) -> int:
         torch.cuda.empty_cache()
     table.print()
     table.to_csv(out_dir / "paged_attention.csv")
-    print("\n".join(bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.paged_attention(table.rows)), flush=True)
+    report = bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.paged_attention(table.rows)
+    print("\n".join(report), flush=True)
     return failures
 
 
