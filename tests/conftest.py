@@ -5,8 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hipkern.jit.platform import JitError
-from hipkern.jit.toolchain import find_toolchain
+# The shared helpers of the test files (their checked calls assert): failures show their values, as in a test file.
+pytest.register_assert_rewrite("moe_cases", "pa_cases")
+
+from hipkern.jit.platform import JitError  # noqa: E402
+from hipkern.jit.toolchain import find_toolchain  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # CI sets this: a missing compiler is then a failure, not a skip.

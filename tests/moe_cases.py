@@ -1,5 +1,5 @@
 """What the fused_moe tests share: tolerances, block sizes, random cases, the float64 reference, a checked call
-and its bitwise repeat, and the helpers several test files use."""
+and its bitwise repeat, and helpers the test files import."""
 import sys
 
 import pytest

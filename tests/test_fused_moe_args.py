@@ -1,5 +1,5 @@
-"""fused_moe's argument checks (on any device, before any launch), its registered op and fake impl, and
-the float64 reference itself against a loop over pairs."""
+"""fused_moe's argument checks (before any launch; most on the CPU), its registered op and fake impl, the
+trace tool's refusals, and the float64 reference itself against a loop over pairs."""
 import math
 import pathlib
 

@@ -1,7 +1,8 @@
 """paged_attention_decode against a float32 per-sequence torch reference, every variant: dtypes, heads, block
-sizes, GQA ratios, layouts, edge and mixed lengths, strided inputs, long contexts, caches past 2^31 elements,
-invalid metadata, graphs, determinism and torch.compile. Splits, merges and their plans:
-test_paged_attention_splits.py; argument checks and the reference: test_paged_attention_args.py."""
+sizes, GQA ratios, layouts, edge and mixed lengths, strided inputs, v5 split into a few partitions, long
+contexts, caches past 2^31 elements, invalid metadata, pinned partitions on two streams, graphs, determinism
+and torch.compile. The other splits, merges and their plans: test_paged_attention_splits.py; argument
+checks and the reference: test_paged_attention_args.py."""
 import contextlib
 import math
 

@@ -1,6 +1,7 @@
-"""paged_attention_decode where it splits contexts into partitions: the merge kernel, per-sequence splits (v5),
-group splits over blocks, L2 prefetch and drop, merges inside thread-block clusters, and the block timeline
-tool, against the float32 reference."""
+"""paged_attention_decode where it splits contexts into partitions: the merge kernel, per-sequence splits (v5,
+its database rows above its limit), the most sequences a grid takes, group splits over blocks, L2 prefetch
+and drop, merges inside thread-block clusters and the block timeline tool, against the float32 reference;
+and the variant aliases."""
 import math
 
 import pytest
