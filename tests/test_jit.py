@@ -173,7 +173,7 @@ def test_rdna_archs_are_refused_with_a_clear_error():
             tc.command(arch, ["a.hip"], "a.so", [], {})
 
 
-def test_cuda_modules_carry_ptx_except_sm_90a(tmp_path):
+def test_cuda_modules_carry_ptx_except_sm_90a():
     """A module built for sm_80 / 89 carries its PTX besides the machine code, so it runs on any later GPU (the
     driver compiles the PTX): how the sm_80 paths (cp.async, mma.sync, no tensor maps, wgmma, clusters or early
     launches) are tested on an H100 (`bash .ci/gpu sm80`). sm_90a's PTX runs on compute capability 9.0 only:

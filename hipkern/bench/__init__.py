@@ -33,15 +33,6 @@ def device_line() -> str:
             f"a one-element call here {floor_us:.2f} us")
 
 
-def built_and_own_arch() -> tuple[str, str]:
-    """The arch the modules are built for here (HIPKERN_ARCH, else the GPU's) and the current GPU's own."""
-    import torch
-
-    from hipkern import jit
-    dev = torch.cuda.current_device()
-    return jit.current_arch(dev), jit.platform._device_arch(dev)
-
-
 def traced_module(family: str, define: str, reader: str, **params):
     """The bf16 module of `family` with `params`, built with the diagnostic preprocessor `define` under
     a cache name of its own, and its trace reader `reader` (int reader(void* host, int blocks)) exported:

@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 import hipkern
+from hipkern import jit
 from hipkern.ops._common import DTYPE_NAMES
 from hipkern.ops.fused_moe import launch_choice
 from hipkern.reference import fused_moe_ref
 from hipkern.testing import BenchTable, checkAllclose, l2_bytes, poison, run_graphtest, run_perftest
 
-from . import COPY_BW_TBPS, bars, built_and_own_arch
+from . import COPY_BW_TBPS, bars
 from .floor import read_floor_us
 
 # The tests' tolerances (tests/moe_cases.py); fp32's is the issue's.
@@ -288,6 +289,7 @@ def main(out_dir: Path, quick: bool = False, cases: str | None = None, dtype: st
     torch.cuda.empty_cache()
     path = table.to_csv(out_dir / "moe.csv")
     print(f"\n{summary(table, [c.num for c in chosen])}\n(CSV: {path})", flush=True)
-    report = bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.moe(table.rows)
+    archs = jit.platform.built_and_device_arch(torch.cuda.current_device())
+    report = bars.device_lines(torch.cuda.get_device_name(), *archs) + bars.moe(table.rows)
     print("\n".join(report), flush=True)
     return failures

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 import hipkern
+from hipkern import jit
 from hipkern.ops.paged_attention import VARIANTS, choose_variant, runs_here
 from hipkern.reference import paged_attention_ref
 from hipkern.testing import BenchTable, checkAllclose, poison, rows_scaled, run_graphtest, run_perftest
 
-from . import COPY_BW_TBPS, bars, built_and_own_arch
+from . import COPY_BW_TBPS, bars
 from .floor import read_floor_us
 
 BLOCK = 16
@@ -129,7 +130,8 @@ def main(out_dir: Path, quick: bool = False) -> int:
         torch.cuda.empty_cache()
     table.print()
     table.to_csv(out_dir / "paged_attention.csv")
-    report = bars.device_lines(torch.cuda.get_device_name(), *built_and_own_arch()) + bars.paged_attention(table.rows)
+    archs = jit.platform.built_and_device_arch(torch.cuda.current_device())
+    report = bars.device_lines(torch.cuda.get_device_name(), *archs) + bars.paged_attention(table.rows)
     print("\n".join(report), flush=True)
     return failures
 

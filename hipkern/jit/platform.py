@@ -10,7 +10,8 @@ import functools
 import os
 import re
 
-__all__ = ["JitError", "platform_of", "wave_size_of", "current_arch", "check_arch", "runs_on", "load_arch"]
+__all__ = ["JitError", "platform_of", "wave_size_of", "current_arch", "check_arch", "built_and_device_arch", "runs_on",
+           "load_arch"]
 
 
 class JitError(RuntimeError):
@@ -66,6 +67,12 @@ def current_arch(device_index: int | None = None) -> str:
     return _device_arch(torch.cuda.current_device() if device_index is None else device_index)
 
 
+def built_and_device_arch(device_index: int) -> tuple[str, str]:
+    """(the arch modules are built for here: current_arch(device_index), GPU device_index's own arch): they differ
+    where HIPKERN_ARCH names another arch (e.g. sm_80 modules run on an H100 through their PTX)."""
+    return current_arch(device_index), _device_arch(device_index)
+
+
 def runs_on(built: str, gpu: str) -> bool:
     """Whether a module built for arch `built` runs on a GPU of arch `gpu`: the same arch, or on NVIDIA an
     earlier arch, whose PTX the module carries and the driver compiles for the GPU (toolchain.py). sm_90 is
@@ -83,11 +90,11 @@ def runs_on(built: str, gpu: str) -> bool:
 def load_arch(device_index: int) -> str:
     """current_arch(device_index) for a module about to run on GPU `device_index`: a JitError naming both archs
     where HIPKERN_ARCH picks code that GPU cannot run, before anything is built or launched."""
-    arch = current_arch(device_index)
-    if os.environ.get("HIPKERN_ARCH"):
-        own = _device_arch(device_index)
-        if not runs_on(arch, own):
-            raise JitError(f"HIPKERN_ARCH={os.environ['HIPKERN_ARCH']} builds for {arch}, which GPU {device_index} "
-                           f"({own}) cannot run: unset HIPKERN_ARCH, or name {own} or (NVIDIA) an earlier arch other "
-                           "than sm_90 (built as sm_90a) and the sm_XXXa ones")
+    if not os.environ.get("HIPKERN_ARCH"):
+        return current_arch(device_index)  # the GPU's own
+    arch, own = built_and_device_arch(device_index)
+    if not runs_on(arch, own):
+        raise JitError(f"HIPKERN_ARCH={os.environ['HIPKERN_ARCH']} builds for {arch}, which GPU {device_index} "
+                       f"({own}) cannot run: unset HIPKERN_ARCH, or name {own} or (NVIDIA) an earlier arch other "
+                       "than sm_90 (built as sm_90a) and the sm_XXXa ones")
     return arch

@@ -112,7 +112,7 @@ def gpu_info(device) -> dict:
     if not torch.cuda.is_available():
         raise ValueError("no GPU is visible to torch: tuning needs one (--dry-run --arch A --cu-count N plans "
                          "without)")
-    arch, own = jit.current_arch(device), jit.platform._device_arch(device)
+    arch, own = jit.platform.built_and_device_arch(device)
     if arch != own:  # HIPKERN_ARCH=sm_80 on an H100 runs sm_80 modules through their PTX: timings of neither
         raise ValueError(f"HIPKERN_ARCH={os.environ.get('HIPKERN_ARCH')} builds for {arch}, but GPU {device} is "
                          f"{own}: its timings would be filed as {arch}'s results; tune on a GPU of that arch, or "
