@@ -180,7 +180,10 @@ def test_expert_map_into_more_than_32767_local_experts(variant, t):
 
 # (variant, tokens) that take every path of the op at k = 4: gemv, gemv_mma, decode, and grouped routed in its
 # GEMM blocks (<= 256 pairs) and through moe_sorting
-EVERY_PATH = [("gemv", 2), ("gemv_mma", 3), ("decode", 4), ("grouped", 40), ("grouped", 300)]
+# (variant, tokens, block_m): every kernel path; grouped also at block_m 16 and 128, whose weights are tensor-map
+# boxes on sm_90 (an expert coordinate past w1 / w2's experts must read as zeros there, not past them)
+EVERY_PATH = [("gemv", 2, None), ("gemv_mma", 3, None), ("decode", 4, None), ("grouped", 40, None), ("grouped", 40, 16),
+              ("grouped", 40, 128), ("grouped", 300, None), ("grouped", 300, 128)]
 
 
 def nan_padded(w1, w2, extra):
@@ -194,8 +197,8 @@ def nan_padded(w1, w2, extra):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,t", EVERY_PATH)
-def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
+@pytest.mark.parametrize("variant,t,block_m", EVERY_PATH)
+def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t, block_m):
     """expert_map values at or past w1's expert count (only validate=True rejects them) drop their pairs,
     as remote ones do, on every path; no kernel reads past w1 or w2: both are views at the start of
     NaN-filled buffers with room for the mapped experts, so a read past them would spread NaN. A token
@@ -216,18 +219,18 @@ def test_expert_map_past_the_local_experts_never_reads_past_w1_w2(variant, t):
     # that summed it would read NaN (the old combine did). y comes after the op's workspace and sorting
     # outputs, so all the allocator's free memory is poisoned, not one block of y's size.
     poison_free_memory(x.device)
-    hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
+    hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, block_m=block_m, out=out)
     ref = reference(x, w1, w2, w, ids, expert_map=ref_map)
-    assert checkAllclose(out, ref, msg=f"{variant} T={t} ", **TOL[dtype]) == 0
+    assert checkAllclose(out, ref, msg=f"{variant} T={t} block_m={block_m} ", **TOL[dtype]) == 0
     assert (out[0] == 0).all()
     with pytest.raises(ValueError, match="expert_map values"):
-        hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, validate=True)
+        hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, block_m=block_m, validate=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mapped", [False, True])
-@pytest.mark.parametrize("variant,t", EVERY_PATH)
-def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant, t, mapped):
+@pytest.mark.parametrize("variant,t,block_m", EVERY_PATH)
+def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant, t, block_m, mapped):
     """Without validate=True an id outside [0, E) is documented as undefined; every path drops its pair,
     as fused_moe_ref does, and never reads through it: w1 / w2 are views at the start of NaN-filled
     buffers, so a read past the experts would spread NaN. Ids at both ends of int32, just outside E, a
@@ -246,9 +249,9 @@ def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant
         ids[1, 3] = -5
     w = torch.where((ids >= 0) & (ids < e), w, math.inf)  # a dropped pair's weight is never used
     out = poison(torch.empty_like(x))
-    hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, out=out)
+    hipkern.fused_moe(x, w1v, w2v, w, ids, expert_map=emap, variant=variant, block_m=block_m, out=out)
     ref = reference(x, w1, w2, w, ids, expert_map=emap)
-    assert checkAllclose(out, ref, msg=f"{variant} T={t} map={mapped} ", **TOL[dtype]) == 0
+    assert checkAllclose(out, ref, msg=f"{variant} T={t} block_m={block_m} map={mapped} ", **TOL[dtype]) == 0
     assert (out[0] == 0).all()
     inside = torch.where((ids >= 0) & (ids < e), ids, 0)  # the same call with the outside pairs' weight 0
     kept_w = torch.where((ids >= 0) & (ids < e), w, 0)
@@ -256,8 +259,8 @@ def test_ids_outside_the_experts_are_dropped_as_the_reference_drops_them(variant
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,t", EVERY_PATH)
-def test_out_in_place_or_apart_from_the_inputs(variant, t):
+@pytest.mark.parametrize("variant,t,block_m", EVERY_PATH)
+def test_out_in_place_or_apart_from_the_inputs(variant, t, block_m):
     """out may be hidden_states itself (every variant reads all of it before writing out); an out that
     shares memory with any other input, or only part of hidden_states, is refused before the launch (its
     blocks would write what others still read)."""
@@ -265,15 +268,16 @@ def test_out_in_place_or_apart_from_the_inputs(variant, t):
     x, w1, w2, w, ids = make_case(t, d, i, e, k, dtype, seed=t)
     emap = torch.randperm(e, generator=_gen(t), device="cuda").to(torch.int32)
     ref = reference(x, w1, w2, w, ids, expert_map=emap)
+    opts = dict(expert_map=emap, variant=variant, block_m=block_m)
     inplace = x.clone()
-    assert hipkern.fused_moe(inplace, w1, w2, w, ids, expert_map=emap, variant=variant, out=inplace) is inplace
-    assert checkAllclose(inplace, ref, msg=f"{variant} in place ", **TOL[dtype]) == 0
+    assert hipkern.fused_moe(inplace, w1, w2, w, ids, **opts, out=inplace) is inplace
+    assert checkAllclose(inplace, ref, msg=f"{variant} block_m={block_m} in place ", **TOL[dtype]) == 0
     big = torch.randn(2 * t + 1, d, device="cuda").to(dtype)
     xs = big[:t]
     with pytest.raises(ValueError, match="out must not overlap hidden_states"):
-        hipkern.fused_moe(xs, w1, w2, w, ids, expert_map=emap, variant=variant, out=big[1:t + 1])
+        hipkern.fused_moe(xs, w1, w2, w, ids, **opts, out=big[1:t + 1])
     with pytest.raises(ValueError, match="out must not overlap w2"):
-        hipkern.fused_moe(x, w1, w2, w, ids, expert_map=emap, variant=variant, out=w2.view(-1)[: t * d].view(t, d))
+        hipkern.fused_moe(x, w1, w2, w, ids, **opts, out=w2.view(-1)[: t * d].view(t, d))
     raw = torch.zeros(t * d * 2 + 64, dtype=torch.uint8, device="cuda")  # out's bytes, ids and map inside them
     ids_in = raw[:ids.numel() * 4].view(torch.int32).view(ids.shape)
     ids_in.copy_(ids)
@@ -282,7 +286,7 @@ def test_out_in_place_or_apart_from_the_inputs(variant, t):
     out = raw[: t * d * 2].view(dtype).view(t, d)
     for args, kw, name in (((ids_in,), {"expert_map": emap}, "topk_ids"), ((ids,), {"expert_map": emap_in}, "expert_map")):
         with pytest.raises(ValueError, match=f"out must not overlap {name}"):
-            hipkern.fused_moe(x, w1, w2, w, *args, variant=variant, out=out, **kw)
+            hipkern.fused_moe(x, w1, w2, w, *args, variant=variant, block_m=block_m, out=out, **kw)
 
 
 @pytest.mark.gpu

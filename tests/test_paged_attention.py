@@ -177,7 +177,29 @@ def test_other_block_sizes_with_nan_past_each_end(variant, layout, block_size, h
     of 16 tokens, 8 in the 64-head blocks of group 64), with every cache row past a sequence's end in
     its blocks set to NaN: a kernel that lets one into a sum fails. Lengths at the block, 8- and
     16-token, 64-token tile and partition edges."""
-    lens = [1, 5, 9, 17, 63, 64, 65, 300, 1000, 1025]
+    case = nan_past_each_end(OTHER_BLOCK_LENS, group, head_size, block_size, layout)
+    run_and_check(case, layout, variant, msg=f"{variant} bs={block_size} ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size,head_size", [(1, 128), (8, 256), (32, 64), (64, 128), (128, 256)])
+def test_32_head_blocks_at_other_block_sizes_with_nan_past_each_end(layout, block_size, head_size):
+    """v16's 32-head blocks (a database choice for some group-64 shapes; the default takes 16 or 64) at block
+    sizes beside 16, as above: a group of 64 (two blocks a group) and of 40 (the second block partly
+    filled), unsplit and in partitions of 64 tokens."""
+    for group in (64, 40):
+        case = nan_past_each_end(OTHER_BLOCK_LENS, group, head_size, block_size, layout)
+        for extra in ({}, {"partition_size": 64}):
+            with pinned(Candidate.of("v16", heads_per_block=32, **extra)):
+                run_and_check(case, layout, variant=None, msg=f"group {group} bs={block_size} {extra} ")
+
+
+OTHER_BLOCK_LENS = [1, 5, 9, 17, 63, 64, 65, 300, 1000, 1025]
+
+
+def nan_past_each_end(lens, group, head_size, block_size, layout):
+    """make_case's inputs with every cache row past each sequence's end (in that sequence's blocks) NaN."""
     q, k, v, bt, cl = make_case(lens, num_kv_heads=2, group=group, head_size=head_size, block_size=block_size,
                                 layout=layout, seed=block_size + head_size + group)
     kk, vv = (k, v) if layout == "NHD" else (k.transpose(1, 2), v.transpose(1, 2))  # [block, token, head, D] views
@@ -187,15 +209,19 @@ def test_other_block_sizes_with_nan_past_each_end(variant, layout, block_size, h
         blocks, rows = bt[s, past // block_size].long(), past % block_size
         kk[blocks, rows] = float("nan")
         vv[blocks, rows] = float("nan")
-    run_and_check((q, k, v, bt, cl), layout, variant, msg=f"{variant} bs={block_size} ")
+    return q, k, v, bt, cl
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,bs", [("NHD", 16), ("HND", 32)])
-def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end(layout, bs):
-    """70000 blocks: 2.29e9 elements a cache at block 16, 4.59e9 (past 2^32: unsigned 32-bit offsets
-    wrap too) at block 32. Every block but the 140 read is NaN."""
-    nb, hkv, d = 70000, 8, 256
+@pytest.mark.parametrize("hkv,group", [(8, 4), (1, 64)], ids=["8kv", "64to1"])
+def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end(layout, bs, hkv, group):
+    """A cache past 2^31 elements at block 16 (past 2^32 at block 32: unsigned 32-bit offsets wrap too), over
+    65536 blocks, read at its far end: 8 KV heads (70000 blocks) and one KV head of a 64-head group (524428
+    blocks), whose blocks are v16's 16-, 32- and 64-head kinds (each pinned, unsplit and split). Every block
+    but the 140 read is NaN."""
+    d = 256
+    nb = 70000 if hkv == 8 else 2**32 // (32 * hkv * d) + 140  # 2^19 + 140: past 2^31 / 2^32 at 16 / 32 tokens
     shape = (nb, bs, hkv, d) if layout == "NHD" else (nb, hkv, bs, d)
     k = torch.full(shape, math.nan, dtype=torch.bfloat16, device="cuda")
     v = torch.full_like(k, math.nan)
@@ -203,17 +229,22 @@ def test_cache_over_65536_blocks_and_2_pow_31_elements_read_at_far_end(layout, b
     k[far.long()] = torch.randn((140, *shape[1:]), device="cuda").to(torch.bfloat16)
     v[far.long()] = torch.randn((140, *shape[1:]), device="cuda").to(torch.bfloat16)
     bt = far.flip(0).view(2, 70).contiguous()
-    q = torch.randn(2, hkv * 4, d, device="cuda").to(torch.bfloat16)
+    q = torch.randn(2, hkv * group, d, device="cuda").to(torch.bfloat16)
     cl = torch.tensor([70 * bs, 7 * bs + 5], dtype=torch.int32, device="cuda")
     assert k.numel() > (2**32 if bs == 32 else 2**31)
+    case = (q, k, v, bt, cl)
     try:
         for variant in variants_here(d):
-            run_and_check((q, k, v, bt, cl), layout, variant=variant)
+            run_and_check(case, layout, variant=variant)
         if not refused_here("v16", d):
             with pinned(Candidate.of("v16", partition_size=65536)):  # one partition: tiles prefetched
-                run_and_check((q, k, v, bt, cl), layout, variant=None)
-    finally:  # 18 GB at block 32: not left to the next tests, pass or fail
-        del k, v
+                run_and_check(case, layout, variant=None)
+            for heads in ((16, 32, 64) if group == 64 else ()):
+                for extra in ({}, {"partition_size": 128}):
+                    with pinned(Candidate.of("v16", heads_per_block=heads, **extra)):
+                        run_and_check(case, layout, variant=None, msg=f"{heads}-head blocks {extra} ")
+    finally:  # 17-18 GB at block 32: not left to the next tests, pass or fail
+        del k, v, case
         torch.cuda.empty_cache()
 
 

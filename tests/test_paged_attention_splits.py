@@ -109,6 +109,31 @@ def test_the_most_sequences_accepted(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant,partition_size", [("v6", 32), ("v16", 64)])
+def test_partitions_past_the_grid_limit_are_enlarged(variant, partition_size):
+    """A context of more tiles than the grid's partition dimension holds (MAX_PARTITIONS, 65535: 2.1M tokens
+    of v6's 32-token tiles, 4.2M of v16's 64) with partitions of one tile pinned: the plan takes larger
+    partitions of whole tiles, within the limit (asserted), and the ~44,000-way split matches the reference.
+    The long sequence beside a short and an empty one."""
+    from hipkern.ops.paged_attention import KERNELS, MAX_PARTITIONS, make_shape, plan_of
+    n = 4_200_000
+    var = VARIANTS[variant]
+    tile = KERNELS[var.kernel].tile(32)
+    assert math.ceil(n / tile) > MAX_PARTITIONS  # one tile a partition would not fit the grid
+    case = make_case([n, 5, 0], num_kv_heads=1, group=16, head_size=64, extra_blocks=0, seed=n % 97)
+    q, k, v, bt, cl = case
+    params = {"partition_size": partition_size}
+    shape = make_shape(var, 3, 16, 1, bt.shape[1] * 16, torch.cuda.get_device_properties(0).multi_processor_count,
+                       32, params=params)
+    plan = plan_of(var, shape, params)
+    assert plan.num_partitions <= MAX_PARTITIONS and plan.partition_size > tile
+    assert plan.partition_size % tile == 0 and plan.num_partitions * plan.partition_size >= n
+    with pinned(Candidate.of(variant, **params)):
+        o, lse = run_and_check(case, variant=None, msg=f"{plan.num_partitions} partitions of {plan.partition_size} ")
+    assert (o[2] == 0).all() and (lse[2] == -math.inf).all()
+
+
+@pytest.mark.gpu
 def test_per_sequence_variant_from_the_database_above_its_limit_runs_v16():
     from hipkern.ops.paged_attention import MAX_PER_SEQUENCE_SEQS
     case = make_case([5, 40] * (MAX_PER_SEQUENCE_SEQS // 2 + 1), num_kv_heads=1, group=4, head_size=64, extra_blocks=0)
