@@ -8,14 +8,21 @@ file named in the variable that holds another op's columns is that op's alone). 
 keys (powers of two: batch, context length, tokens), its variant-parameter columns, and optionally
 further timings of the chosen candidate under other inputs (``measures``: fused_moe's ``skewed_us``,
 every token routed to the same experts). Every file also has the columns ``arch, cu_count, variant,
-us, tbps, err, date, commit``.
+us, tbps, err, date, commit``, and optionally ``device``: the GPU's name as torch gives it ("NVIDIA H100
+80GB HBM3", "NVIDIA H200", "AMD Instinct MI300X"). GPUs of one arch and CU count can differ in memory
+bandwidth (H100 and H200: sm_90, 132 SMs; MI300X and MI325X: gfx942, 304 CUs), so rows of two devices are
+kept apart, and a device's tuner run never replaces another device's rows. A row without a device (a file
+from before the column) stands for any GPU of its arch and CU count.
 
 Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
 
-1. exact: a row with the same exact keys, the same buckets and the same cu_count;
+1. exact: a row with the same exact keys, the same buckets, the same cu_count and this GPU's device
+   (else such a row without a device);
 2. nearest: among rows with the same exact keys, the smallest distance, where distance is the sum
-   over bucket keys of |log2(a) - log2(b)|, plus 0.5 when cu_count differs; ties go to the row with
-   the larger buckets (tuned for more work), then to the newer date;
+   over bucket keys of |log2(a) - log2(b)|, plus 0.5 when cu_count differs and 0.25 when the row is
+   another device's (an H200 takes an H100's row of its own shape before its own row of a shape one
+   bucket away); ties go to the row with the larger buckets (tuned for more work), then to the newer
+   date;
 3. none: the op uses its heuristic default.
 
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
@@ -41,6 +48,7 @@ __all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_
 
 log = logging.getLogger("hipkern.tuning")
 COMMON = ("arch", "cu_count", "variant", "us", "tbps", "err", "date", "commit")
+DEVICE = "device"  # optional in a file (see above); written by the tuner after cu_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +68,8 @@ class Schema:
 
     @property
     def columns(self) -> tuple:
-        return COMMON + self.exact_keys + self.bucket_keys + self.param_keys + self.measures
+        common = COMMON[:2] + (DEVICE,) + COMMON[2:]
+        return common + self.exact_keys + self.bucket_keys + self.param_keys + self.measures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +127,8 @@ class _Table:
         return tuple(str(row[k]) for k in self.schema.exact_keys)
 
     def key(self, row) -> tuple:
-        return (self._exact_part(row), tuple(int(row[k]) for k in self.schema.bucket_keys), int(row["cu_count"]))
+        return (self._exact_part(row), tuple(int(row[k]) for k in self.schema.bucket_keys), int(row["cu_count"]),
+                row[DEVICE])
 
     def _load(self, path: Path, arch: str, user: bool) -> None:
         if not path.is_file():
@@ -131,7 +141,7 @@ class _Table:
                 # a parameter or measure column a file lacks (written before it existed) reads as empty
                 have = reader.fieldnames or ()
                 missing = [c for c in self.schema.columns if c not in have
-                           and c not in self.schema.param_keys + self.schema.measures]
+                           and c not in self.schema.param_keys + self.schema.measures + (DEVICE,)]
                 if (all(k in missing for k in self.schema.bucket_keys)
                         and any(k in missing for k in self.schema.exact_keys)):
                     log.debug("hipkern: tuning file %s is not a %s file; skipped for it", path, self.schema.op)
@@ -179,6 +189,7 @@ class _Table:
         if raw.get("variant") not in s.variants:
             return f"variant {raw.get('variant')!r} is not one of {sorted(s.variants)}"
         row = dict(raw, arch=arch)  # (" gfx942" matched after stripping: the op's own check reads the name)
+        row[DEVICE] = (raw.get(DEVICE) or "").strip()
         try:
             row["cu_count"] = int(raw["cu_count"])
             for k in s.bucket_keys:
@@ -205,14 +216,15 @@ class _Table:
                 return why
         return row
 
-    def find(self, exact: tuple, buckets: tuple, cu_count: int):
-        row = self.exact.get((exact, buckets, cu_count))
-        if row is not None:
-            return row, "exact"
+    def find(self, exact: tuple, buckets: tuple, cu_count: int, device: str = ""):
+        for dev in dict.fromkeys((device, "")):
+            row = self.exact.get((exact, buckets, cu_count, dev))
+            if row is not None:
+                return row, "exact"
         best, best_rank = None, None
         for r in self.groups.get(exact, ()):
             dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
-            dist += 0.5 * (r["cu_count"] != cu_count)
+            dist += 0.5 * (r["cu_count"] != cu_count) + 0.25 * (r[DEVICE] not in ("", device))
             rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _date_rank(r.get("date") or ""))
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
@@ -233,21 +245,22 @@ def _table(op: str, arch: str) -> _Table:
     return t
 
 
-def lookup(op: str, arch: str, cu_count: int, **shape) -> Choice | None:
+def lookup(op: str, arch: str, cu_count: int, *, device_name: str = "", **shape) -> Choice | None:
     """The tuned choice for `shape` (exact keys and bucket keys of the op's schema, buckets already
-    bucketed), or None for the heuristic default. Memoised per shape."""
-    memo_key = (op, arch, cu_count, *shape.values())  # the raw values: a hit costs one dict get
+    bucketed) on a GPU of `arch`, `cu_count` and name `device_name` (torch.cuda.get_device_name; "":
+    unknown, only rows without a device are exact), or None for the heuristic default. Memoised per shape."""
+    memo_key = (op, arch, cu_count, device_name, *shape.values())  # the raw values: a hit costs one dict get
     hit = _memo.get(memo_key, _MISS)
     if hit is not _MISS:
         return hit
     t = _table(op, arch)
     exact = tuple(str(shape[k]) for k in t.schema.exact_keys)
     buckets = tuple(int(shape[k]) for k in t.schema.bucket_keys)
-    row, source = t.find(exact, buckets, cu_count)
+    row, source = t.find(exact, buckets, cu_count, device_name.strip())
     choice = None if row is None else Choice(row["variant"], row["params"], source, row)
     _memo[memo_key] = choice
     if source != "exact":
-        _log_untuned(t.schema, arch, cu_count, shape, choice)
+        _log_untuned(t.schema, arch, cu_count, device_name, shape, choice)
     return choice
 
 
@@ -269,9 +282,11 @@ def _log_path(path: str, cols: list, op: str) -> str:
     return f"{stem}.{op}{ext or '.csv'}"
 
 
-def _log_untuned(schema: Schema, arch: str, cu_count: int, shape: dict, choice) -> None:
-    how = f"nearest tuned row ({choice.variant}, {choice.row.get('date', '')})" if choice else "heuristic default"
-    log.info("hipkern: %s on %s has no tuned row for %s; using the %s", schema.op, arch, shape, how)
+def _log_untuned(schema: Schema, arch: str, cu_count: int, device_name: str, shape: dict, choice) -> None:
+    how = (f"nearest tuned row ({choice.variant}, {choice.row[DEVICE] or 'any device'}, {choice.row.get('date', '')})"
+           if choice else "heuristic default")
+    log.info("hipkern: %s on %s has no tuned row for %s (GPU %s); using the %s", schema.op, arch, shape,
+             device_name or "unnamed", how)
     path = os.environ.get("HIPKERN_LOG_UNTUNED")
     if not path:
         return

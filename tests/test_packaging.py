@@ -61,8 +61,9 @@ def test_installed_wheel_finds_the_shipped_tuning_results(wheel, venv_python, tm
         "from hipkern import tuning_db\n"
         "d = tuning_db.shipped_results_dir()\n"
         "assert 'site-packages' in str(d), d\n"
-        "c = tuning_db.lookup('paged_attention', 'sm_90', 132, dtype='bfloat16', head_size=128, block_size=16,\n"
-        "                     num_q_heads=32, num_kv_heads=8, kv_layout='NHD', batch=64, context=4096)\n"
+        "c = tuning_db.lookup('paged_attention', 'sm_90', 132, device_name='NVIDIA H100 80GB HBM3', dtype='bfloat16',\n"
+        "                     head_size=128, block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout='NHD',\n"
+        "                     batch=64, context=4096)\n"
         "assert c is not None and c.source == 'exact', c\n"
         "print(hipkern.__file__, c.variant)\n")
     out = subprocess.run([str(venv_python), "-c", probe], cwd=tmp_path, capture_output=True, text=True)

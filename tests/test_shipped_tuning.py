@@ -49,7 +49,8 @@ def test_lookup_resolves_every_row_to_itself(path, monkeypatch):
     rows = _rows(path)
     assert rows
     for r in rows:
-        c = tuning_db.lookup(path.stem, r["arch"], int(r["cu_count"]), **_shape(schema, r))
+        assert r["device"], f"a shipped row names the GPU that timed it: {r}"
+        c = tuning_db.lookup(path.stem, r["arch"], int(r["cu_count"]), device_name=r["device"], **_shape(schema, r))
         assert c is not None and c.source == "exact", (r, c)
         assert (c.variant, c.params) == (r["variant"], _params(schema, r)), r
 
@@ -58,7 +59,7 @@ def test_lookup_resolves_every_row_to_itself(path, monkeypatch):
 def test_each_row_is_the_default_within_the_margin_or_the_best_beyond_it_or_better_on_the_second_measure(path):
     schema = tuning_db._schemas[path.stem]
     adapter = core.load_adapter(path.stem)
-    keys = schema.exact_keys + schema.bucket_keys
+    keys = ("arch", "cu_count", "device") + schema.exact_keys + schema.bucket_keys  # each GPU's own candidates
     measured = defaultdict(list)
     for r in _rows(path.with_name(path.stem + ".candidates.csv")):
         if r["status"] == "ok":

@@ -319,6 +319,19 @@ def test_time_limit_stops_between_shapes(fresh, monkeypatch):
     assert s.stopped and sorted(by_key(fresh)) == [("ok", 1), ("ok", 2)]
 
 
+def test_two_devices_of_one_arch_keep_their_rows_and_report_apart(fresh):
+    """Two GPUs of one arch and CU count (an H100 and an H200) tuning into one file: each keeps its rows (the
+    faster device's do not replace the other's), and the report shows the device and sums each up apart."""
+    for device in ("GPU A", "GPU B"):
+        runner.tune(FAKE, shapes(("ok", 1), ("ok", 4)), fresh, progress=False,
+                    info={**FAKE.device_info(0), "device": device})
+    assert sorted((r["device"], r["batch"]) for r in rows_of(fresh)) == [
+        ("GPU A", "1"), ("GPU A", "4"), ("GPU B", "1"), ("GPU B", "4")]
+    text = report(FAKE, fresh)
+    assert text.splitlines()[0].startswith("device ") and text.count("GPU A   ok w8 b") == 2
+    assert "GPU A: tuned vs the default (a)" in text and "GPU B: tuned vs the default (a)" in text
+
+
 def test_report_table(fresh, capsys):
     runner.tune(FAKE, shapes(("ok", 1), ("ok", 4)), fresh, progress=False)
     rows = report_rows(FAKE, fresh)
@@ -461,12 +474,14 @@ def test_tuning_refuses_modules_built_for_another_arch_than_the_gpu_s(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(platform, "_device_arch", lambda index: "sm_90")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: types.SimpleNamespace(multi_processor_count=132, total_memory=80 << 30))
+                        lambda index: types.SimpleNamespace(multi_processor_count=132, total_memory=80 << 30,
+                                                            name="NVIDIA H100 80GB HBM3"))
     monkeypatch.setenv("HIPKERN_ARCH", "sm_80")
     with pytest.raises(ValueError, match=r"HIPKERN_ARCH=sm_80 builds for sm_80, but GPU 0 is sm_90"):
         core.gpu_info(0)
     for name in ("sm_90", "sm_90a"):
         monkeypatch.setenv("HIPKERN_ARCH", name)
-        assert core.gpu_info(0) == {"arch": "sm_90", "cu_count": 132, "wave": 32, "memory": 80 << 30}
+        assert core.gpu_info(0) == {"arch": "sm_90", "cu_count": 132, "device": "NVIDIA H100 80GB HBM3", "wave": 32,
+                                    "memory": 80 << 30}
     monkeypatch.delenv("HIPKERN_ARCH")
     assert core.gpu_info(0)["arch"] == "sm_90"

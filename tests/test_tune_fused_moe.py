@@ -67,7 +67,7 @@ def test_a_database_row_sets_block_m_and_misses_fall_back(fresh, monkeypatch):
     shape = ADAPTER.parse_shape(RAW)
     row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, Candidate.of("grouped", block_m=64),
                         "ok", 500.0, 10**9, 0.0, "", {"date": "2026-11-22", "commit": "abc"})
-    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
+    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132, "") + core.shape_key(ADAPTER.schema, shape)})
     monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
     tuning_db.reset()
     args = ("sm_90", 132, 32, 7168, 256, 256, 8)
@@ -91,7 +91,7 @@ def _top12_row(fresh, monkeypatch, cand):
     shape = ADAPTER.parse_shape({**RAW, "topk": "12", "tokens": "2"})
     row = core.make_row(ADAPTER.schema, {"arch": "sm_90", "cu_count": 132}, shape, cand,
                         "ok", 90.0, 10**8, 0.0, "", {"date": "2026-11-23", "commit": "abc"})
-    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
+    core.save(ADAPTER.schema, fresh, [row], {("sm_90", 132, "") + core.shape_key(ADAPTER.schema, shape)})
     monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
     tuning_db.reset()
 

@@ -29,13 +29,34 @@ def test_paged_attention_row_round_trips(fresh, monkeypatch):
     out, info = fresh, {"arch": "sm_90", "cu_count": 132}
     row = core.make_row(ADAPTER.schema, info, shape, Candidate.of("v9", partition_size=1024), "ok", 12.5,
                         ADAPTER.nbytes(shape), 0.0, "", {"date": "2026-11-21", "commit": "abc"})
-    core.save(ADAPTER.schema, out, [row], {("sm_90", 132) + core.shape_key(ADAPTER.schema, shape)})
+    core.save(ADAPTER.schema, out, [row], {("sm_90", 132, "") + core.shape_key(ADAPTER.schema, shape)})
     monkeypatch.setenv("HIPKERN_TUNING_DB", str(out))
     tuning_db.reset()
     c = tuning_db.lookup("paged_attention", "sm_90", 132, dtype="bfloat16", head_size=128, block_size=16,
                          num_q_heads=32, num_kv_heads=8, kv_layout="NHD", batch=8, context=2048)
     assert (c.variant, c.params, c.source) == ("v9", {"partition_size": 1024}, "exact")
     assert rows_of(out)[0]["tbps"] == f"{(8 * 2048 * 8 * 128 * 2 + 2 * 8 * 32 * 128) * 2 / 12.5 / 1e6:.4f}"
+
+
+def test_a_tuning_run_on_another_device_of_the_arch_keeps_the_first_device_s_rows(fresh, monkeypatch):
+    """An H200 is sm_90 with 132 SMs, as an H100: its faster row of a shape joins the database beside the
+    H100's instead of replacing it (fastest row per key), and each GPU looks up its own."""
+    shape = ADAPTER.parse_shape(dict(dtype="bfloat16", head_size="128", block_size="16", num_q_heads="32",
+                                     num_kv_heads="8", kv_layout="NHD", batch="8", context="2048"))
+    for device, cand, us in (("NVIDIA H100 80GB HBM3", Candidate.of("v9", partition_size=1024), 30.0),
+                             ("NVIDIA H200", Candidate.of("v16", partition_size=512), 24.0)):
+        info = {"arch": "sm_90", "cu_count": 132, "device": device}
+        row = core.make_row(ADAPTER.schema, info, shape, cand, "ok", us, ADAPTER.nbytes(shape), 0.0, "",
+                            {"date": "2026-11-28", "commit": "abc"})
+        core.save(ADAPTER.schema, fresh, [row], {core.gpu_kind(info) + core.shape_key(ADAPTER.schema, shape)})
+    assert sorted((r["device"], r["variant"]) for r in rows_of(fresh)) == [("NVIDIA H100 80GB HBM3", "v9"),
+                                                                           ("NVIDIA H200", "v16")]
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(fresh))
+    tuning_db.reset()
+    for device, want in (("NVIDIA H100 80GB HBM3", "v9"), ("NVIDIA H200", "v16")):
+        c = tuning_db.lookup("paged_attention", "sm_90", 132, device_name=device, dtype="bfloat16", head_size=128,
+                             block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout="NHD", batch=8, context=2048)
+        assert (c.variant, c.source) == (want, "exact")
 
 
 def pa_shape(batch, context, hq=32, hkv=8, d=128, dtype="bfloat16"):

@@ -42,8 +42,8 @@ def shipped(tmp_path, monkeypatch):
     tuning_db.reset()
 
 
-def find(batch=8, context=2048, cu=132, **shape):
-    return lookup("toyop", "sm_90", cu, **{**SHAPE, **shape}, batch=batch, context=context)
+def find(batch=8, context=2048, cu=132, device="", **shape):
+    return lookup("toyop", "sm_90", cu, device_name=device, **{**SHAPE, **shape}, batch=batch, context=context)
 
 
 def test_bucket():
@@ -93,6 +93,36 @@ def test_another_cu_count_costs_half_a_bucket(shipped):
     (1.5 against 1; with no cost the two would tie, and the larger bucket would win)."""
     write(shipped, [row("a", 16, 2048, cu=114), row("b", 4, 2048)])
     assert find(8, 2048).variant == "b"
+
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def test_rows_of_two_devices_of_one_arch_and_cu_count_are_kept_apart(shipped, caplog):
+    """An H100 and an H200 are both sm_90 with 132 SMs: each takes its own row of a shape (the H200's is
+    faster and newer, and must not replace the H100's), a row without a device stands for any GPU, and a
+    GPU with no row of its own takes another device's row of its shape as nearest (logged as untuned), before
+    its own row of a shape one bucket away."""
+    write(shipped, [row("a", 8, 2048, device=H100), row("b", 8, 2048, device=H200, date="2026-11-28"),
+                    row("c", 16, 2048, device=H200), row("a", 32, 2048)])
+    assert (find(8, device=H100).variant, find(8, device=H100).source) == ("a", "exact")
+    assert (find(8, device=H200).variant, find(8, device=H200).source) == ("b", "exact")
+    assert (find(32, device=H200).variant, find(32, device=H200).source) == ("a", "exact")  # any device's
+    with caplog.at_level(logging.INFO, logger="hipkern.tuning"):
+        c = find(16, device=H100)  # the H200's row of its own shape (0.25) over its own one bucket away (1)
+    assert (c.variant, c.source) == ("c", "nearest")
+    assert f"GPU {H100}" in caplog.text and f"nearest tuned row (c, {H200}" in caplog.text
+    b200 = find(8, device="NVIDIA B200")  # neither device: the nearer, then the newer
+    assert (b200.variant, b200.source) == ("b", "nearest")
+
+
+def test_a_file_without_the_device_column_stands_for_any_gpu(shipped):
+    """Files from before the column (users' tuned files) load as before: their rows are exact for every GPU
+    of their arch and CU count."""
+    write(shipped, [row("b", 16, 2048)], columns=[c for c in SCHEMA.columns if c != "device"])
+    for dev in (H100, H200, ""):
+        c = find(16, device=dev)
+        assert (c.variant, c.source) == ("b", "exact")
 
 
 def test_a_full_tie_in_one_file_goes_to_the_later_row(shipped):

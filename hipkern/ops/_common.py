@@ -2,18 +2,31 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from .. import jit
 
 __all__ = ["lib", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES", "on_device",
-           "raw_stream", "module_for", "module_override"]
+           "raw_stream", "module_for", "module_override", "sm_count", "device_name"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """The GPU's SMs (CUs on AMD): the tuning database's cu_count, and the plans' grid sizes."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device_index: int) -> str:
+    """The GPU's name as torch gives it ("NVIDIA H100 80GB HBM3"): the tuning database's device column."""
+    return torch.cuda.get_device_properties(device_index).name
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=None, contiguous: bool = True,

@@ -5,14 +5,13 @@ csrc_hip/fused_moe/)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import (DTYPE_NAMES, check_device, check_int, check_no_overlap, check_tensor, lib, module_for,
-                      on_device, raw_stream)
+                      on_device, raw_stream, sm_count, device_name)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -95,11 +94,6 @@ def default_block_m(num_tokens: int, topk: int, num_experts: int, dtype=torch.bf
     return bm
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_fits(num_tokens: int, topk: int, block_m: int, dim: int = 0, inter_dim: int = 0) -> bool:
     """Whether the decode variant can run this call: at most DECODE_MAX_PAIRS routed pairs, block_m <=
     DECODE_MAX_BLOCK_M, and its work items in int32 (its launcher counts DECODE_MAX_PAIRS m-blocks by the
@@ -123,13 +117,13 @@ def gemv_fits(num_tokens: int, topk: int, dim: int = 0, inter_dim: int = 0) -> b
 
 
 def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
-                  topk: int, dtype) -> tuple:
-    """(variant, block_m) for variant=None and block_m=None: the tuning database's row for this shape
-    (exact, else nearest by the token bucket), its variant kept where it can run these tokens (a
-    nearest row's "decode" may not: then choose_variant's); without a row, default_block_m and
-    choose_variant."""
-    choice = tuning_db.lookup("fused_moe", arch, cu_count, dtype=DTYPE_NAMES[dtype], model_dim=dim,
-                              inter_dim=inter_dim, num_experts=num_experts, topk=topk,
+                  topk: int, dtype, device_name: str = "") -> tuple:
+    """(variant, block_m) for variant=None and block_m=None on a GPU of `arch`, `cu_count` and name
+    `device_name` (tuning_db.lookup): the tuning database's row for this shape (exact, else nearest by the
+    token bucket), its variant kept where it can run these tokens (a nearest row's "decode" may not: then
+    choose_variant's); without a row, default_block_m and choose_variant."""
+    choice = tuning_db.lookup("fused_moe", arch, cu_count, device_name=device_name, dtype=DTYPE_NAMES[dtype],
+                              model_dim=dim, inter_dim=inter_dim, num_experts=num_experts, topk=topk,
                               tokens=tuning_db.bucket(num_tokens))
     if choice is None:
         bm = default_block_m(num_tokens, topk, num_experts, dtype)
@@ -144,9 +138,9 @@ def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim
 
 
 def choose_block_m(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
-                   topk: int, dtype) -> int:
+                   topk: int, dtype, device_name: str = "") -> int:
     """block_m for block_m=None: choose_config's."""
-    return choose_config(arch, cu_count, num_tokens, dim, inter_dim, num_experts, topk, dtype)[1]
+    return choose_config(arch, cu_count, num_tokens, dim, inter_dim, num_experts, topk, dtype, device_name)[1]
 
 
 def choose_variant(num_tokens: int, topk: int, dtype=torch.bfloat16, block_m: int = 8,
@@ -169,8 +163,8 @@ def launch_choice(device_index: int, num_tokens: int, dim: int, inter_dim: int, 
     without block_m the database's choice (choose_config), its variant too unless one is given;
     with block_m, choose_variant's variant unless one is given."""
     if not block_m:
-        chosen, block_m = choose_config(jit.current_arch(device_index), _sm_count(device_index), num_tokens, dim,
-                                        inter_dim, num_experts, topk, dtype)
+        chosen, block_m = choose_config(jit.current_arch(device_index), sm_count(device_index), num_tokens, dim,
+                                        inter_dim, num_experts, topk, dtype, device_name(device_index))
         if variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
             block_m = DECODE_MAX_BLOCK_M
         variant = variant or chosen

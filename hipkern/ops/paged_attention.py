@@ -20,7 +20,7 @@ import torch
 
 from .. import jit, tuning_db
 from ._common import (DTYPE_NAMES, check_device, check_no_overlap, check_tensor, is_float32, lib, module_for,
-                      on_device, raw_stream)
+                      on_device, raw_stream, sm_count, device_name)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
@@ -296,11 +296,6 @@ tuning_db.register(tuning_db.Schema(
 ALIASES = {"v4": "v16", "v7": "v16"}
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _cache_dims(kv_layout, cache):
     """(blocks, block size, KV heads, head size, block / token / head strides). A dimension of one element
     has no stride that matters, and torch allows any there (2^40 elements, say, which the tensor maps
@@ -422,8 +417,8 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
                          f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
     group = num_q_heads // hkv
     max_tokens = block_tables.shape[1] * bs
-    params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, _sm_count(dev))
-    shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, _sm_count(dev), mod.wave_size(),
+    params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev))
+    shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev), mod.wave_size(),
                        resident_blocks(mod, var.kernel, heads_per_block(var, group, params), dev), params)
     plan = _plan(variant, shape, tuple(sorted(params.items())))
     part_o = part_ml = seq_parts = None
@@ -513,7 +508,7 @@ def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
 def _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens) -> tuple:
     arch = jit.current_arch(dev)
     choice = tuning_db.lookup(
-        "paged_attention", arch, _sm_count(dev), dtype=DTYPE_NAMES[query.dtype],
+        "paged_attention", arch, sm_count(dev), device_name=device_name(dev), dtype=DTYPE_NAMES[query.dtype],
         head_size=head_size, block_size=block_size, num_q_heads=query.shape[1], num_kv_heads=num_kv_heads,
         kv_layout=kv_layout, batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(max_tokens))
     return (choice.variant, choice.params) if choice else (heuristic_variant(head_size, arch), {})

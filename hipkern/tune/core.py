@@ -100,10 +100,17 @@ def load_adapter(spec: str):
 
 
 def arch_info(arch: str, cu_count: int) -> dict:
-    """An adapter's info_for: the facts of a GPU that candidates depend on, without one."""
+    """An adapter's info_for: the facts of a GPU that candidates depend on, without one (its device name
+    unknown: "")."""
     from .. import jit
     arch = jit.platform.check_arch(arch)  # the canonical name (sm_90a is sm_90): the results' folder
-    return {"arch": arch, "cu_count": int(cu_count), "wave": jit.wave_size_of(arch)}
+    return {"arch": arch, "cu_count": int(cu_count), "device": "", "wave": jit.wave_size_of(arch)}
+
+
+def gpu_kind(row) -> tuple:
+    """(arch, cu_count, device) of a row or an info: the GPUs whose timings are comparable (tuning_db keeps
+    each device's rows apart; a row without a device stands for any)."""
+    return str(row["arch"]), int(row["cu_count"]), str(row.get("device") or "").strip()
 
 
 def gpu_info(device) -> dict:
@@ -118,7 +125,7 @@ def gpu_info(device) -> dict:
                          f"{own}: its timings would be filed as {arch}'s results; tune on a GPU of that arch, or "
                          "unset HIPKERN_ARCH")
     props = torch.cuda.get_device_properties(device)
-    return {**arch_info(arch, props.multi_processor_count), "memory": props.total_memory}
+    return {**arch_info(arch, props.multi_processor_count), "device": props.name, "memory": props.total_memory}
 
 
 def checkout_dir() -> Path:
@@ -188,7 +195,7 @@ def shape_key(schema, shape) -> tuple:
 
 
 def row_key(schema, row) -> tuple:
-    return (str(row["arch"]), int(row["cu_count"])) + shape_key(schema, row)
+    return gpu_kind(row) + shape_key(schema, row)
 
 
 def candidate_of(schema, row) -> Candidate:
@@ -214,7 +221,8 @@ def make_row(schema, info, shape, cand, status, us, nbytes, err, note, run_stamp
     extra = set(cand.kwargs) - set(schema.param_keys)
     if extra:
         raise ValueError(f"candidate {cand.name}: parameters {sorted(extra)} are not columns of {schema.op}")
-    row = {"arch": info["arch"], "cu_count": info["cu_count"], "variant": cand.variant,
+    row = {"arch": info["arch"], "cu_count": info["cu_count"], "device": info.get("device", ""),
+           "variant": cand.variant,
            "us": "" if us is None else f"{us:.3f}", "tbps": "" if us is None else f"{nbytes / us / 1e6:.4f}",
            "err": "" if err is None else f"{err:.3g}", **run_stamp}
     row.update({k: shape[k] for k in schema.exact_keys + schema.bucket_keys})

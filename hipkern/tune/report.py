@@ -30,7 +30,8 @@ def report_rows(adapter, out) -> list:
         timed = lambda name: ok.get((key, same.get(name, name)))  # noqa: E731 (a launch timed under its first name)
         us, default = float(r["us"]), adapter.heuristic(shape, info).name
         d_us = timed(default)
-        rows.append({"shape": adapter.describe(shape), "chosen": candidate_of(schema, r).name, "us": us,
+        rows.append({"device": r.get("device") or "any", "shape": adapter.describe(shape),
+                     "chosen": candidate_of(schema, r).name, "us": us,
                      "tbps": float(r["tbps"]) if r.get("tbps") else math.nan,
                      **{m: float(r[m]) if r.get(m) else None for m in schema.measures},
                      "default": default, "default_us": d_us,
@@ -40,14 +41,9 @@ def report_rows(adapter, out) -> list:
     return rows
 
 
-def report(adapter, out) -> str:
-    rows = report_rows(adapter, out)
-    head = ["shape", "chosen", "us", "tbps", *adapter.schema.measures, "default", "default_us", "gain"]
-    cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
-    table = [head] + [[cell(r[c]) for c in head] for r in rows]
-    widths = [max(len(t[c]) for t in table) for c in range(len(head))]
-    lines = ["  ".join(t[c].ljust(widths[c]) if c < 2 else t[c].rjust(widths[c]) for c in range(len(head)))
-             for t in table]
+def _summary(adapter, rows, prefix: str) -> list:
+    """The geometric-mean lines of one GPU's rows."""
+    lines = []
     gains = [r["gain"] for r in rows if r["gain"]]
     if gains:
         defaults = {r["default"] for r in rows}
@@ -67,4 +63,19 @@ def report(adapter, out) -> str:
         best = min(fixed, key=fixed.get)
         lines.append(f"tuned vs the best single fixed variant ({best}): geometric-mean gain {fixed[best]:.3f}x over "
                      f"{len(rows)} shapes; " + ", ".join(f"{v} {g:.3f}x" for v, g in sorted(fixed.items())))
+    return [prefix + line for line in lines]
+
+
+def report(adapter, out) -> str:
+    rows = report_rows(adapter, out)
+    devices = len({r["device"] for r in rows}) > 1  # GPUs of one arch and CU count keep their own rows
+    head = ["device"] * devices + ["shape", "chosen", "us", "tbps", *adapter.schema.measures, "default", "default_us",
+                                   "gain"]
+    cell = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    table = [head] + [[cell(r[c]) for c in head] for r in rows]
+    widths = [max(len(t[c]) for t in table) for c in range(len(head))]
+    lines = ["  ".join(t[c].ljust(widths[c]) if c < 2 + devices else t[c].rjust(widths[c]) for c in range(len(head)))
+             for t in table]
+    for dev in sorted({r["device"] for r in rows}):
+        lines += _summary(adapter, [r for r in rows if r["device"] == dev], f"{dev}: " if devices else "")
     return "\n".join(lines)

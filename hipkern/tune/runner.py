@@ -112,7 +112,7 @@ class Run:
         self.progress.update(label)
 
     def complete_keys(self) -> set:
-        head = (str(self.info["arch"]), int(self.info["cu_count"]))
+        head = core.gpu_kind(self.info)
         return self.summary.complete | {head + shape_key(self.schema, self.jobs[i]["shape"]) for i in self.summary.done}
 
     def save(self) -> None:
@@ -178,7 +178,7 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
     core._load(schema, out)  # a malformed file fails here, before any GPU time is spent
     if skip_done:
         for r in measured:
-            if (str(r["arch"]), int(r["cu_count"])) == (str(info["arch"]), int(info["cu_count"])):
+            if core.gpu_kind(r) == core.gpu_kind(info):
                 done.setdefault(shape_key(schema, r), set()).add(candidate_of(schema, r).name)
     jobs, same, dominated = [], 0, 0
     for i, shape in enumerate(shapes):
@@ -187,13 +187,14 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
         same, dominated = same + len(pr.same), dominated + len(pr.dominated)
         if not cands:
             summary.skipped += 1
-            summary.complete.add((str(info["arch"]), int(info["cu_count"])) + shape_key(schema, shape))
+            summary.complete.add(core.gpu_kind(info) + shape_key(schema, shape))
             continue
         jobs.append({"i": i, "shape": shape, "cands": [[c.variant, [list(p) for p in c.params]] for c in cands],
                      "est": adapter.estimate_s(shape, cands, info)})
     summary.planned = sum(len(j["cands"]) for j in jobs)
     summary.estimate_s = sum(j["est"] for j in jobs)
-    print(f"hipkern.tune {adapter.op} on {info['arch']} ({info['cu_count']} CUs): {len(jobs)} shapes to tune "
+    gpu = f"{info['arch']} ({info['cu_count']} CUs{', ' + info['device'] if info.get('device') else ''})"
+    print(f"hipkern.tune {adapter.op} on {gpu}: {len(jobs)} shapes to tune "
           f"({summary.skipped} of {len(shapes)} done already), {summary.planned} candidates ({same} same launches "
           f"and {dominated} dominated pruned); estimated GPU time {summary.estimate_s / 60:.1f} min", flush=True)
     return jobs, summary
@@ -202,7 +203,7 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
 def device_info(adapter, gpus, device=0) -> dict:
     """The adapter's facts about the GPU(s) a run uses; the GPUs of --gpus must be of one kind."""
     infos = [adapter.device_info(g) for g in (gpus or [device])]
-    kinds = {(x["arch"], x["cu_count"]) for x in infos}
+    kinds = {core.gpu_kind(x) for x in infos}
     if len(kinds) > 1:
         raise ValueError(f"--gpus: the GPUs differ ({sorted(kinds)}): tune each kind separately")
     return infos[0]
