@@ -12,9 +12,10 @@ us, tbps, err, date, commit``, and optionally ``device``: the GPU's name as torc
 80GB HBM3", "NVIDIA H200", "AMD Instinct MI300X"). GPUs of one arch and CU count can differ in memory
 bandwidth (H100 and H200: sm_90, 132 SMs; MI300X and MI325X: gfx942, 304 CUs), so rows of two devices are
 kept apart, and a device's tuner run never replaces another device's rows. A row without a device (a file
-from before the column) stands for any GPU of its arch and CU count.
+from before the column) stands for any GPU of its arch and CU count: in a later file it replaces the earlier
+files' rows of its shape and CU count whatever their device, as such a file did before the column.
 
-Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
+Lookup (``lookup(op, arch, cu_count, device_name=..., **shape)``), in this order:
 
 1. exact: a row with the same exact keys, the same buckets, the same cu_count and this GPU's device
    (else such a row without a device);
@@ -26,9 +27,9 @@ Lookup (``lookup(op, arch, cu_count, **shape)``), in this order:
 3. none: the op uses its heuristic default.
 
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
-``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys, ready for the tuner (an op whose
-columns differ from the file's header, e.g. the second op a process logs, appends to ``<stem>.<op>.csv``
-beside it). A file
+``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys (and the GPU's name), ready for
+the tuner (an op whose columns differ from the file's header, e.g. the second op a process logs, appends
+to ``<stem>.<op>.csv`` beside it). A file
 that cannot be read or lacks columns, and a row with a bad value, a variant the op no longer has or
 parameters the op cannot run (its Schema.check), is skipped with one warning naming the file (and
 line); the op still runs.
@@ -178,7 +179,12 @@ class _Table:
         if dups:
             warnings.warn(f"hipkern tuning file {path} has {dups} rows whose key an earlier row has; kept the "
                           f"fastest of each key (then the newest)", stacklevel=4)
-        self.exact.update(mine)  # later files win on the same key
+        # Later files win on the same key; a later row without a device (a file from before the column) stands
+        # for every GPU, so it also replaces the earlier files' rows of its shape and CU count for any device.
+        anyone = {k[:3] for k in mine if k[3] == ""}
+        if anyone:
+            self.exact = {k: r for k, r in self.exact.items() if k[:3] not in anyone}
+        self.exact.update(mine)
 
     def _parse(self, raw: dict, arch: str):
         s = self.schema
@@ -290,7 +296,7 @@ def _log_untuned(schema: Schema, arch: str, cu_count: int, device_name: str, sha
     path = os.environ.get("HIPKERN_LOG_UNTUNED")
     if not path:
         return
-    cols = ["op", "arch", "cu_count", *schema.exact_keys, *schema.bucket_keys]
+    cols = ["op", "arch", "cu_count", DEVICE, *schema.exact_keys, *schema.bucket_keys]
     with _lock:
         path = _log_path(path, cols, schema.op)
         new = not os.path.exists(path) or os.path.getsize(path) == 0
@@ -298,5 +304,5 @@ def _log_untuned(schema: Schema, arch: str, cu_count: int, device_name: str, sha
             w = csv.writer(fh, lineterminator="\n")
             if new:
                 w.writerow(cols)
-            w.writerow([schema.op, arch, cu_count, *(shape[k] for k in schema.exact_keys),
+            w.writerow([schema.op, arch, cu_count, device_name, *(shape[k] for k in schema.exact_keys),
                         *(shape[k] for k in schema.bucket_keys)])

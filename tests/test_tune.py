@@ -282,6 +282,37 @@ def test_skip_done_restores_missing_database_rows_and_bad_files_are_named(fresh)
     assert not CALLS  # before any timing
 
 
+def test_rows_from_before_the_device_column_are_named_and_counted_by_a_dry_run_of_their_device(fresh, capsys):
+    """A database written before the device column: a run on a named GPU says that those rows stand for every
+    GPU and are neither skipped nor replaced by it; a dry run given --device-name counts that device's rows
+    for --skip-done (and only its own)."""
+    runner.tune(FAKE, shapes(("ok", 1), ("ok", 2)), fresh, progress=False)
+    for path in (fresh, core.candidates_path(fresh)):  # as a file from before the column
+        path.write_text("\n".join(",".join(f for n, f in enumerate(line.split(",")) if n != 2)
+                                  for line in path.read_text().splitlines()) + "\n")
+    capsys.readouterr()
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, skip_done=True, progress=False, dry_run=True,
+                info={**FAKE.device_info(0), "device": "GPU A"})
+    out = capsys.readouterr().out
+    assert "name no device (written before the column)" in out and "1 shapes to tune (0 of 1 done already)" in out
+    runner.tune(FAKE, shapes(("ok", 1), ("ok", 2)), fresh, progress=False,
+                info={**FAKE.device_info(0), "device": "GPU A"})
+    cmd = ["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=1", "--out", str(fresh), "--skip-done",
+           "--dry-run", "--arch", "sm_90", "--cu-count", "132"]
+    assert main(cmd + ["--device-name", "GPU A"]) == 0
+    assert "0 shapes to tune (1 of 1 done already)" in capsys.readouterr().out  # its rows count: done
+    assert main(cmd + ["--device-name", "GPU B"]) == 0
+    assert "1 shapes to tune (0 of 1 done already)" in capsys.readouterr().out
+
+
+def test_gpus_of_two_devices_are_refused(monkeypatch):
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(FAKE, "device_info", lambda g: {"arch": "sm_90", "cu_count": 132, "device": names[g]})
+    with pytest.raises(ValueError, match="--gpus: the GPUs differ"):
+        runner.device_info(FAKE, [0, 1])
+    assert runner.device_info(FAKE, [1])["device"] == "NVIDIA H200"
+
+
 def test_ctrl_c_keeps_finished_rows_and_skip_done_resumes(fresh):
     STATE["interrupts"] = 1
     todo = shapes(("ok", 1), ("ok", 2), ("interrupt", 4), ("ok", 8))
@@ -387,8 +418,11 @@ def test_cli_exit_code_says_whether_every_shape_was_tuned(fresh):
     (["nosuchop"], "op must be one of"),
     (["test_tune:FakeTuner", "--gpus", "0,x"], "--gpus must be comma-separated"),
     (["test_tune:FakeTuner", "--time-limit", "0"], "--time-limit must be a positive"),
-    (["test_tune:FakeTuner", "--arch", "sm_90"], "--arch/--cu-count only apply to --dry-run"),
-    (["test_tune:FakeTuner", "--cu-count", "0"], "--arch/--cu-count only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--arch", "sm_90"], "--arch/--cu-count/--device-name only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--cu-count", "0"], "--arch/--cu-count/--device-name only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--device-name", "X"], "--arch/--cu-count/--device-name only apply to --dry-run"),
+    (["test_tune:FakeTuner", "--dry-run", "--arch", "sm_90"], "with both --arch and --cu-count"),
+    (["test_tune:FakeTuner", "--dry-run", "--device-name", "X"], "with both --arch and --cu-count"),
     (["test_tune:FakeTuner", "--dry-run", "--arch", "sm_90", "--cu-count", "0"], "--cu-count must be a positive"),
     (["test_tune:FakeTuner", "--dry-run", "--arch", "sm_90", "--cu-count", "-5"], "--cu-count must be a positive"),
     (["test_tune:FakeTuner", "--shapes", "/nonexistent.csv"], "--shapes: /nonexistent.csv does not exist"),

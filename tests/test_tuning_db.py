@@ -116,6 +116,19 @@ def test_rows_of_two_devices_of_one_arch_and_cu_count_are_kept_apart(shipped, ca
     assert (b200.variant, b200.source) == ("b", "nearest")
 
 
+def test_a_later_file_without_the_device_column_overrides_every_device_s_rows(shipped, tmp_path, monkeypatch):
+    """A user's file from before the column overlays the shipped rows of its shapes on every GPU, as it did
+    before the column; a later file's named row overrides only its own device's."""
+    write(shipped, [row("a", 8, 2048, device=H100), row("a", 8, 2048, device=H200), row("a", 16, 2048, device=H100)])
+    old = write(tmp_path / "old.csv", [row("b", 8, 2048)], columns=[c for c in SCHEMA.columns if c != "device"])
+    named = write(tmp_path / "named.csv", [row("c", 16, 2048, device=H200)])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", f"{old}:{named}")
+    tuning_db.reset()
+    for dev in (H100, H200, ""):
+        assert (find(8, device=dev).variant, find(8, device=dev).source) == ("b", "exact")
+    assert find(16, device=H100).variant == "a" and find(16, device=H200).variant == "c"
+
+
 def test_a_file_without_the_device_column_stands_for_any_gpu(shipped):
     """Files from before the column (users' tuned files) load as before: their rows are exact for every GPU
     of their arch and CU count."""
@@ -177,7 +190,9 @@ def test_fallbacks_logged_once_and_appended_to_log_file(shipped, tmp_path, monke
     assert caplog.text.count("has no tuned row") == 2
     rows = list(csv.DictReader(open(out)))
     assert [(r["dtype"], r["batch"], r["context"]) for r in rows] == [("bfloat16", "32", "2048"), ("float16", "16", "1024")]
-    assert rows[0]["op"] == "toyop" and rows[0]["cu_count"] == "132"
+    assert rows[0]["op"] == "toyop" and rows[0]["cu_count"] == "132" and rows[0]["device"] == ""
+    find(32, 2048, device=H200)  # another GPU's miss of the same shape: its own log row, with its name
+    assert list(csv.DictReader(open(out)))[-1]["device"] == H200
 
 
 def test_user_overlay_wins_row_by_row(shipped, tmp_path, monkeypatch):

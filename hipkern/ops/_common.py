@@ -9,7 +9,7 @@ import torch
 from .. import jit
 
 __all__ = ["lib", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES", "on_device",
-           "raw_stream", "module_for", "module_override", "sm_count", "device_name"]
+           "raw_stream", "module_for", "module_override", "sm_count", "gpu_name"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -24,7 +24,7 @@ def sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def device_name(device_index: int) -> str:
+def gpu_name(device_index: int) -> str:
     """The GPU's name as torch gives it ("NVIDIA H100 80GB HBM3"): the tuning database's device column."""
     return torch.cuda.get_device_properties(device_index).name
 

@@ -11,7 +11,7 @@ import torch
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import (DTYPE_NAMES, check_device, check_int, check_no_overlap, check_tensor, lib, module_for,
-                      on_device, raw_stream, sm_count, device_name)
+                      on_device, raw_stream, sm_count, gpu_name)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -119,9 +119,10 @@ def gemv_fits(num_tokens: int, topk: int, dim: int = 0, inter_dim: int = 0) -> b
 def choose_config(arch: str, cu_count: int, num_tokens: int, dim: int, inter_dim: int, num_experts: int,
                   topk: int, dtype, device_name: str = "") -> tuple:
     """(variant, block_m) for variant=None and block_m=None on a GPU of `arch`, `cu_count` and name
-    `device_name` (tuning_db.lookup): the tuning database's row for this shape (exact, else nearest by the
-    token bucket), its variant kept where it can run these tokens (a nearest row's "decode" may not: then
-    choose_variant's); without a row, default_block_m and choose_variant."""
+    `device_name` (tuning_db.lookup; "": unknown, so only rows without a device are exact, and of the named
+    rows of a shape the newest is the nearest): the tuning database's row for this shape (exact, else nearest
+    by the token bucket), its variant kept where it can run these tokens (a nearest row's "decode" may not:
+    then choose_variant's); without a row, default_block_m and choose_variant. The op passes its GPU's name."""
     choice = tuning_db.lookup("fused_moe", arch, cu_count, device_name=device_name, dtype=DTYPE_NAMES[dtype],
                               model_dim=dim, inter_dim=inter_dim, num_experts=num_experts, topk=topk,
                               tokens=tuning_db.bucket(num_tokens))
@@ -164,7 +165,7 @@ def launch_choice(device_index: int, num_tokens: int, dim: int, inter_dim: int, 
     with block_m, choose_variant's variant unless one is given."""
     if not block_m:
         chosen, block_m = choose_config(jit.current_arch(device_index), sm_count(device_index), num_tokens, dim,
-                                        inter_dim, num_experts, topk, dtype, device_name(device_index))
+                                        inter_dim, num_experts, topk, dtype, gpu_name(device_index))
         if variant == "decode" and block_m > DECODE_MAX_BLOCK_M:
             block_m = DECODE_MAX_BLOCK_M
         variant = variant or chosen

@@ -20,7 +20,7 @@ import torch
 
 from .. import jit, tuning_db
 from ._common import (DTYPE_NAMES, check_device, check_no_overlap, check_tensor, is_float32, lib, module_for,
-                      on_device, raw_stream, sm_count, device_name)
+                      on_device, raw_stream, sm_count, gpu_name)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
@@ -508,7 +508,7 @@ def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
 def _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens) -> tuple:
     arch = jit.current_arch(dev)
     choice = tuning_db.lookup(
-        "paged_attention", arch, sm_count(dev), device_name=device_name(dev), dtype=DTYPE_NAMES[query.dtype],
+        "paged_attention", arch, sm_count(dev), device_name=gpu_name(dev), dtype=DTYPE_NAMES[query.dtype],
         head_size=head_size, block_size=block_size, num_q_heads=query.shape[1], num_kv_heads=num_kv_heads,
         kv_layout=kv_layout, batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(max_tokens))
     return (choice.variant, choice.params) if choice else (heuristic_variant(head_size, arch), {})

@@ -45,6 +45,8 @@ def _tune_parser():
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate only")
     p.add_argument("--arch", help="with --dry-run: plan for this arch instead of the GPU's")
     p.add_argument("--cu-count", type=int, help="with --dry-run: plan for this many CUs/SMs")
+    p.add_argument("--device-name", help="with --dry-run --arch: the GPU's name (its rows count for --skip-done; "
+                   "default none: only rows without a device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -90,8 +92,11 @@ def main(argv=None) -> int:
     gpus = parse_gpus(a.gpus)
     if a.time_limit is not None and not a.time_limit > 0:
         raise ValueError(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
-    if (a.arch is not None or a.cu_count is not None) and not a.dry_run:
-        raise ValueError("--arch/--cu-count only apply to --dry-run (a run asks its GPU)")
+    if (a.arch is not None or a.cu_count is not None or a.device_name is not None) and not a.dry_run:
+        raise ValueError("--arch/--cu-count/--device-name only apply to --dry-run (a run asks its GPU)")
+    if (a.arch is None) != (a.cu_count is None) or (a.device_name is not None and a.arch is None):
+        raise ValueError("--dry-run plans for another GPU with both --arch and --cu-count (and --device-name, "
+                         "optionally, with them)")
     if a.cu_count is not None and a.cu_count < 1:
         raise ValueError(f"--cu-count must be a positive number of CUs/SMs, got {a.cu_count}")
     if a.arch is not None:
@@ -106,7 +111,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--gpus: {bad} not among the {torch.cuda.device_count()} GPUs visible")
     adapter = core.load_adapter(a.op)
     shapes = core.read_shapes(adapter, a.shapes, a.shape or (), parse_where(a.where))
-    info = adapter.info_for(a.arch, a.cu_count) if a.arch else runner.device_info(adapter, gpus)
+    info = ({**adapter.info_for(a.arch, a.cu_count), "device": (a.device_name or "").strip()} if a.arch
+            else runner.device_info(adapter, gpus))
     out = Path(a.out) if a.out else _default_out(adapter.op, info["arch"])
     saved = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's SIGTERM saves finished rows like Ctrl-C
     try:

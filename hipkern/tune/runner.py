@@ -175,10 +175,17 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
     --skip-done), its estimated seconds, and the totals printed before starting."""
     schema, summary, done = adapter.schema, Summary(shapes=len(shapes)), {}
     measured = core._load(schema, candidates_path(out))
-    core._load(schema, out)  # a malformed file fails here, before any GPU time is spent
+    db = core._load(schema, out)  # a malformed file fails here, before any GPU time is spent
+    kind = core.gpu_kind(info)
+    unnamed = sum(core.gpu_kind(r) == kind[:2] + ("",) for r in measured + db)
+    if unnamed and kind[2]:
+        print(f"hipkern.tune: {unnamed} rows of {out} and its candidates for {kind[0]} with {kind[1]} CUs name no "
+              f"device (written before the column): they stand for every such GPU, and this run neither skips "
+              f"(--skip-done) nor replaces them; to make them {kind[2]}'s, write the name of the GPU that timed them "
+              "into their device column", flush=True)
     if skip_done:
         for r in measured:
-            if core.gpu_kind(r) == core.gpu_kind(info):
+            if core.gpu_kind(r) == kind:
                 done.setdefault(shape_key(schema, r), set()).add(candidate_of(schema, r).name)
     jobs, same, dominated = [], 0, 0
     for i, shape in enumerate(shapes):
