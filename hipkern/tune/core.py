@@ -222,8 +222,8 @@ def make_row(schema, info, shape, cand, status, us, nbytes, err, note, run_stamp
     if extra:
         raise ValueError(f"candidate {cand.name}: parameters {sorted(extra)} are not columns of {schema.op}")
     row = {"arch": info["arch"], "cu_count": info["cu_count"], "device": info.get("device", ""),
-           "variant": cand.variant,
-           "us": "" if us is None else f"{us:.3f}", "tbps": "" if us is None else f"{nbytes / us / 1e6:.4f}",
+           "variant": cand.variant, "us": "" if us is None else f"{us:.3f}",
+           "tbps": "" if us is None else f"{nbytes / us / 1e6:.4f}",
            "err": "" if err is None else f"{err:.3g}", **run_stamp}
     row.update({k: shape[k] for k in schema.exact_keys + schema.bucket_keys})
     row.update({k: cand.kwargs.get(k, "") for k in schema.param_keys})

@@ -194,7 +194,7 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
         same, dominated = same + len(pr.same), dominated + len(pr.dominated)
         if not cands:
             summary.skipped += 1
-            summary.complete.add(core.gpu_kind(info) + shape_key(schema, shape))
+            summary.complete.add(kind + shape_key(schema, shape))
             continue
         jobs.append({"i": i, "shape": shape, "cands": [[c.variant, [list(p) for p in c.params]] for c in cands],
                      "est": adapter.estimate_s(shape, cands, info)})
