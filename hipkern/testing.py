@@ -7,7 +7,7 @@
 * ``run_perftest`` / ``@perftest``: device-event timing after warm-up, median of many runs, inputs
   rotated over more than the L2 size (or L2 flushed between runs when that would take too many
   copies), with the launch queue primed so that host overhead does not leak into device time.
-* ``run_graphtest``: the same calls, back to back in one CUDA graph over rotated inputs, per call.
+* ``run_graphtest``: the same calls, back to back in CUDA graphs over rotated inputs, per call.
 * ``BenchTable``: prints a benchmark table in the reference logs' CSV style and writes it as CSV.
 * ``poison`` (NaN, or an out-of-range integer, in an output before the call, so an unwritten element
   fails), ``poison_next_alloc`` (the next allocations of given sizes, e.g. an op's own outputs) and
@@ -20,6 +20,7 @@ import functools
 import math
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -142,18 +143,22 @@ def rows_scaled(got: torch.Tensor, ref: torch.Tensor, cap: float = 1.0):
     return got.detach().float() / s, ref.detach().float() / s
 
 
-# Caches past L2 that hold a kernel's inputs between calls: MI300's 256 MB Infinity Cache (gfx942's
-# L2 is 4 MB an XCD). Inputs rotated over only 2x L2 would stay in it there.
+# Caches past L2 that hold a kernel's inputs between calls: MI300's 256 MB Infinity Cache. Inputs
+# rotated over only 2x L2 would stay in it there.
 _LAST_LEVEL_BYTES = {"gfx942": 256 << 20}
+# GPUs whose reported L2 is one slice's: gfx942 reports an XCD's 4 MB, and MI300X / MI325X have 8 XCDs
+# (fewer on MI300A / MI308X: rotating past 8 slices is then a little more than needed, never less).
+_L2_SLICES = {"gfx942": 8}
 
 
 def l2_bytes(device=None) -> int:
     """The bytes of cache that inputs must be rotated past (2x this) or flushed from to be read from
-    memory: L2, plus a last-level cache where the GPU has one (_LAST_LEVEL_BYTES)."""
+    memory: all of L2 (_L2_SLICES), plus a last-level cache where the GPU has one (_LAST_LEVEL_BYTES)."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
         arch = str(getattr(props, "gcnArchName", "") or "").split(":")[0]
-        return int(getattr(props, "L2_cache_size", 0) or 64 << 20) + _LAST_LEVEL_BYTES.get(arch, 0)
+        l2 = int(getattr(props, "L2_cache_size", 0) or 64 << 20) * _L2_SLICES.get(arch, 1)
+        return l2 + _LAST_LEVEL_BYTES.get(arch, 0)
     return 64 << 20
 
 
@@ -240,44 +245,55 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
 
 
 def run_graphtest(func, *args, num_iters: int = 20, rotate_bytes: int | None = None, max_copies: int = 256,
-                  **kwargs):
+                  max_graphs: int = 16, **kwargs):
     """Time ``func(*args, **kwargs)`` as CUDA-graph replay (how serving engines run decode steps, and
     how the issue's peer figures were taken); returns (output of the last call, median us per call).
 
     Tensor arguments are cloned into enough copies that the calls cycle over more than `rotate_bytes`
-    (default 2x L2; at most `max_copies`); one graph holds one call per copy, back to back, and each
-    timed replay's device time (events) is divided by the number of calls. Unlike run_perftest, no
-    event or launch gap separates the calls, so this measures a kernel's own ramp and tail but not
-    its launch latency.
+    (default 2x L2). Each graph holds one call per copy for up to `max_copies` copies, back to back;
+    more copies (small inputs) go into more graphs (at most `max_graphs`, replayed in turn), so that
+    small inputs are not read from L2 either; where even those cannot cover `rotate_bytes`, a
+    warning says so. Without tensor arguments (`func` rotates its own inputs) one graph of
+    `max_copies` calls. Each timed replay's device time (events) is divided by its number of calls.
+    Unlike run_perftest, no event or launch gap separates the calls, so this measures a kernel's own
+    ramp and tail but not its launch latency.
     """
     if num_iters < 1:
         raise ValueError(f"num_iters must be >= 1, got {num_iters}")
     tensors = list(_tensors((args, kwargs)))
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     target = rotate_bytes if rotate_bytes is not None else 2 * l2_bytes()
-    copies = min(max_copies, max(1, math.ceil(target / max(nbytes, 1))))
+    need = max(1, math.ceil(target / nbytes)) if nbytes else max_copies
+    copies = min(need, max_copies * max_graphs)
+    if copies * nbytes < target:
+        warnings.warn(f"run_graphtest: {copies} copies of {nbytes} B cycle over {copies * nbytes} B, "
+                      f"under the {target} B to rotate past: part of the inputs stays in L2", stacklevel=2)
     sets = [(args, kwargs)] + [_clone((args, kwargs)) for _ in range(copies - 1)]
+    chunks = [sets[i:i + max_copies] for i in range(0, copies, max_copies)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture (module loads, allocator)
         for a, k in sets:
             func(*a, **k)
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a, k in sets:
-            out = func(*a, **k)
-    graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_iters)]
-    torch.cuda.synchronize()
-    for i in range(num_iters):
-        starts[i].record()
+    graphs = []
+    for chunk in chunks:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for a, k in chunk:
+                out = func(*a, **k)
         graph.replay()
-        ends[i].record()
+        graphs.append((graph, len(chunk)))
+    timed = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), calls)
+             for _ in range(num_iters) for _, calls in graphs]
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 / len(sets) for s, e in zip(starts, ends)]
-    del graph
+    for i, (start, end, _) in enumerate(timed):
+        start.record()
+        graphs[i % len(graphs)][0].replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 / calls for s, e, calls in timed]
+    del graphs
     return out, statistics.median(times)
 
 

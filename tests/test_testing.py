@@ -119,8 +119,9 @@ def test_integers_past_2_pow_53_compare_exactly(capsys):
 
 
 def test_inputs_are_rotated_past_the_last_level_cache(monkeypatch):
-    """On gfx942 (MI300: 4 MB of L2 an XCD, a 256 MB Infinity Cache behind it) run_perftest's rotation
-    target covers the Infinity Cache too; elsewhere it is L2."""
+    """On gfx942 (MI300: 4 MB of L2 an XCD, reported for one XCD of up to 8, a 256 MB Infinity Cache
+    behind it) run_perftest's rotation target covers every XCD's L2 and the Infinity Cache; elsewhere it
+    is L2."""
     from hipkern import testing
 
     class Props:
@@ -129,7 +130,7 @@ def test_inputs_are_rotated_past_the_last_level_cache(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    for arch, l2, want in (("gfx942:sramecc+:xnack-", 4 << 20, (4 << 20) + (256 << 20)), ("", 50 << 20, 50 << 20)):
+    for arch, l2, want in (("gfx942:sramecc+:xnack-", 4 << 20, (32 << 20) + (256 << 20)), ("", 50 << 20, 50 << 20)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=Props(arch, l2): p)
         assert testing.l2_bytes() == want
 
@@ -370,6 +371,26 @@ def test_run_graphtest_replays_one_call_per_rotated_copy():
     assert torch.equal(out, x * 2)  # the last captured call's output, written by the replays
     with pytest.raises(ValueError, match="num_iters must be >= 1"):
         run_graphtest(f, x, num_iters=0)
+
+
+@pytest.mark.gpu
+def test_run_graphtest_rotates_small_inputs_over_several_graphs():
+    from hipkern.testing import run_graphtest
+
+    x = torch.randn(1 << 14, device="cuda")  # 64 KB: 256 copies for 16 MB, 64 calls a graph
+    seen = []
+
+    def f(t):
+        seen.append(t.data_ptr())
+        return t + 1
+
+    out, us = run_graphtest(f, x, num_iters=2, rotate_bytes=16 << 20, max_copies=64)
+    # every copy called once in the warm-up and once in its graph's capture
+    assert len(set(seen)) == 256 and len(seen) == 2 * 256
+    assert us > 0 and math.isfinite(us)
+    assert torch.equal(out, x + 1)  # the last graph's last call, written by its replays
+    with pytest.warns(UserWarning, match="part of the inputs stays in L2"):
+        run_graphtest(f, x, num_iters=1, rotate_bytes=16 << 20, max_copies=64, max_graphs=2)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 uniform and skewed routing, plus Mixtral-8x7B in bf16; per case the log's lines plus bandwidth.
 
 Naive: fused_moe_ref in the input dtype, a per-expert torch loop over the experts that received
-tokens (gather, two matmuls, act, index_add_), as in the reference log. Custom: hipkern.fused_moe
+tokens (gather, two matmuls, act, index_add_), as in the reference log; it finds those experts on
+the host, so its time includes that wait and its launches (host-bound). Custom: hipkern.fused_moe
 into a preallocated out=, everything the op does (moe_sorting, both grouped GEMMs, the combine).
 Graph: the same calls back to back in one CUDA graph (run_graphtest; one call per routing of the
 cycle, at least 8), as serving engines replay decode steps: no event or launch gap between calls, so

@@ -1,6 +1,7 @@
 """paged_attention_decode: the reference logs' table, plus each variant, bandwidth and torch baselines.
 
-Naive: a per-sequence torch loop (gather, matmuls in bf16), as in the reference log. SDPA gather:
+Naive: a per-sequence torch loop (gather, matmuls in bf16), as in the reference log; it reads the
+context lengths back to the host, so its time includes that wait and its launches (host-bound). SDPA gather:
 gather the paged K/V into contiguous tensors, then scaled_dot_product_attention(enable_gqa=True).
 SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes: the K/V rows actually
 read (each once), plus Q and O. Custom_Time_us: variant=None (the tuning database's choice, Variant, with
