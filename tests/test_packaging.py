@@ -2,6 +2,7 @@
 its own tuning results. The wheel is built once, from a copy of the checkout without any earlier build
 output (setuptools reuses a build/ directory, which would ship files since deleted)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,14 @@ import pytest
 from conftest import REPO, toolchain_or_skip
 
 SOURCE_SUFFIXES = (".h", ".hip", ".hpp", ".cuh", ".inc")  # the sources and every header the JIT's key hashes
+
+
+def _installed_env(**extra) -> dict:
+    """The environment for the installed wheel's interpreter: without PYTHONPATH, which (as .ci/gpu sets it
+    to the checkout) would import the checkout instead of the wheel."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(extra)
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +41,7 @@ def venv_python(wheel, tmp_path_factory):
     venv = tmp_path_factory.mktemp("venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, env=_installed_env())
     return py
 
 
@@ -66,7 +75,8 @@ def test_installed_wheel_finds_the_shipped_tuning_results(wheel, venv_python, tm
         "                     batch=64, context=4096)\n"
         "assert c is not None and c.source == 'exact', c\n"
         "print(hipkern.__file__, c.variant)\n")
-    out = subprocess.run([str(venv_python), "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run([str(venv_python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         env=_installed_env())
     assert out.returncode == 0, out.stderr
     assert "site-packages" in out.stdout
 
@@ -83,6 +93,21 @@ def test_installed_wheel_builds_a_module(venv_python, tmp_path, arch):
         f"m = jit.load(jit.spec('topk_softmax', dtype='float16'), '{arch}')\n"
         "print('built', r.path)\n")
     out = subprocess.run([str(venv_python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
-                         env=dict(os.environ, HIPKERN_JIT_DIR=str(tmp_path / "jit")))
+                         env=_installed_env(HIPKERN_JIT_DIR=str(tmp_path / "jit")))
     assert out.returncode == 0, out.stderr
     assert "built" in out.stdout
+
+
+def test_installed_wheel_reports_and_plans_from_its_shipped_tuning(venv_python, tmp_path):
+    """`python -m hipkern.tune report` and `--dry-run` read the wheel's shipped shapes and rows (no checkout in
+    sight; they used to ask for a checkout's tuning/)."""
+    def tune(*args):
+        return subprocess.run([str(venv_python), "-m", "hipkern.tune", *args], cwd=tmp_path, capture_output=True,
+                              text=True, env=_installed_env())
+
+    out = tune("report", "fused_moe", "--arch", "sm_90")
+    assert out.returncode == 0, out.stderr
+    assert "NVIDIA H100 80GB HBM3" in out.stdout and "bfloat16 D7168 I256 E256 top8 T1 " in out.stdout
+    out = tune("fused_moe", "--dry-run", "--arch", "sm_90", "--cu-count", "132")  # the shipped shapes list
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"sm_90 \(132 CUs\): 65 shapes to tune", out.stdout + out.stderr), out.stdout + out.stderr

@@ -69,8 +69,10 @@ def _report_parser():
     return p
 
 
-def _default_out(op: str, arch: str) -> Path:
-    return core.checkout_dir() / "results" / arch / f"{op}.csv"
+def _default_out(op: str, arch: str, read_only: bool = False) -> Path:
+    """The database file a run writes (the checkout's), or reads only (report, dry runs: also a wheel's)."""
+    root = core.shipped_tuning_dir() if read_only else core.checkout_dir()
+    return root / "results" / arch / f"{op}.csv"
 
 
 def main(argv=None) -> int:
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
             a.arch = check_arch(a.arch)
         if a.out is None and a.arch is None and not _has_gpu():
             raise ValueError("report: no GPU visible: pass --out or --arch")
-        out = Path(a.out) if a.out else _default_out(adapter.op, a.arch or adapter.device_info(0)["arch"])
+        out = Path(a.out) if a.out else _default_out(adapter.op, a.arch or adapter.device_info(0)["arch"], True)
         print(report(adapter, out))
         return 0
     a = _tune_parser().parse_args(argv)
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
     shapes = core.read_shapes(adapter, a.shapes, a.shape or (), parse_where(a.where))
     info = ({**adapter.info_for(a.arch, a.cu_count), "device": (a.device_name or "").strip()} if a.arch
             else runner.device_info(adapter, gpus))
-    out = Path(a.out) if a.out else _default_out(adapter.op, info["arch"])
+    out = Path(a.out) if a.out else _default_out(adapter.op, info["arch"], read_only=a.dry_run)
     saved = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's SIGTERM saves finished rows like Ctrl-C
     try:
         summary = runner.tune(adapter, shapes, out, spec=a.op, gpus=gpus, skip_done=a.skip_done,

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from .. import tuning_db
 from ..jit._lock import file_lock
 from ..testing import checkAllclose, poison, run_perftest
 
@@ -132,8 +133,14 @@ def checkout_dir() -> Path:
     """tuning/ of the hipkern checkout this package runs from (the tuner writes there by default)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "tuning").is_dir() or not (root / "hipkern").is_dir():
-        raise ValueError(f"{root} is not a hipkern checkout: pass --shapes and --out explicitly")
+        raise ValueError(f"{root} is not a hipkern checkout (an installed hipkern): pass --out FILE for the "
+                         "tuned rows (HIPKERN_TUNING_DB=FILE then overlays them on the shipped database)")
     return root / "tuning"
+
+
+def shipped_tuning_dir() -> Path:
+    """The shipped shapes and results (read only): tuning/ of a checkout, hipkern/_tuning of a wheel."""
+    return tuning_db.shipped_results_dir().parent
 
 
 # ---- shapes ---------------------------------------------------------------------------------------
@@ -169,7 +176,7 @@ def read_shapes(adapter, path=None, specs=(), where=None) -> list:
     """--shapes CSV (default tuning/shapes/<op>.csv unless --shape is given) plus --shape k=v,... rows."""
     raws = []
     if path is not None or not specs:
-        path = Path(path) if path is not None else checkout_dir() / "shapes" / f"{adapter.op}.csv"
+        path = Path(path) if path is not None else shipped_tuning_dir() / "shapes" / f"{adapter.op}.csv"
         if not path.is_file():
             raise ValueError(f"--shapes: {path} does not exist")
         raws += [(f"{path} line {n}", r) for n, r in read_csv_lines(path)]
