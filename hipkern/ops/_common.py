@@ -8,11 +8,21 @@ import torch
 
 from .. import jit
 
-__all__ = ["lib", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES", "on_device",
-           "raw_stream", "module_for", "module_override", "sm_count", "gpu_name"]
+__all__ = ["lib", "impl_checked", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES",
+           "on_device", "raw_stream", "module_for", "module_override", "sm_count", "gpu_name"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
+
+
+
+def impl_checked(name: str, fn) -> None:
+    """Register `fn` (an op's checks, then its launch) as torch.ops.hipkern.<name> for GPU tensors, and for
+    CPU tensors too: there its checks raise the Python function's error ("... must be on a GPU") rather
+    than the dispatcher's "Could not run ... with arguments from the 'CPU' backend"."""
+    for key in ("CUDA", "CPU"):
+        lib.impl(name, fn, key)
+
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

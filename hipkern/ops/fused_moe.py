@@ -10,8 +10,8 @@ import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
-from ._common import (DTYPE_NAMES, check_device, check_int, check_no_overlap, check_tensor, lib, module_for,
-                      on_device, raw_stream, sm_count, gpu_name)
+from ._common import (DTYPE_NAMES, check_device, check_int, check_no_overlap, check_tensor, gpu_name, impl_checked, lib,
+                      module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -396,8 +396,8 @@ def _checked_out(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out)
 
 
-lib.impl("fused_moe", _checked_impl, "CUDA")
-lib.impl("fused_moe_out", _checked_out, "CUDA")
+impl_checked("fused_moe", _checked_impl)
+impl_checked("fused_moe_out", _checked_out)
 
 
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_apart, check_routing_out, check_tensor,
-                      is_float32, lib, module_for, on_device, raw_stream)
+                      impl_checked, is_float32, lib, module_for, on_device, raw_stream)
 
 __all__ = ["grouped_topk", "GROUP_SCORINGS", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
 
@@ -158,8 +158,8 @@ def _checked_out(gating_logits, correction_bias, topk, num_expert_group, topk_gr
     _launch_out(*args, weights, ids)
 
 
-lib.impl("grouped_topk", _checked_impl, "CUDA")
-lib.impl("grouped_topk_out", _checked_out, "CUDA")
+impl_checked("grouped_topk", _checked_impl)
+impl_checked("grouped_topk_out", _checked_out)
 
 
 def grouped_topk(gating_logits: torch.Tensor, correction_bias: torch.Tensor | None, topk: int, num_expert_group: int,

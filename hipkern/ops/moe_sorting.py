@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_device, check_int, check_outputs_apart, check_tensor, lib, module_for, on_device, raw_stream
+from ._common import (check_device, check_int, check_outputs_apart, check_tensor, impl_checked, lib, module_for,
+                      on_device, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -134,8 +135,8 @@ def _checked_out(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_
     _launch(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
 
 
-lib.impl("moe_sorting", _checked_impl, "CUDA")
-lib.impl("moe_sorting_out", _checked_out, "CUDA")
+impl_checked("moe_sorting", _checked_impl)
+impl_checked("moe_sorting_out", _checked_out)
 
 
 def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, expert_map: torch.Tensor | None = None,
@@ -152,7 +153,8 @@ def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, exper
         num_experts: E, 1 <= E <= 1024.
         block_m: rows per block of the expert GEMM, 1 <= block_m <= 1024.
         expert_map: optional int32 [E] on the same device: for expert parallelism, the local index of
-            each expert, negative (-1) for experts on other GPUs, whose pairs are dropped.
+            each expert, -1 for experts on other GPUs, whose pairs are dropped (any other negative value
+            is dropped too, but rejected by `validate`).
         validate: check that every id lies in [0, E) (and expert_map values >= -1), raising
             ValueError otherwise. This syncs with the device; without it such ids give undefined
             (but in-bounds) output: the kernels never read or write out of bounds for any id.
@@ -161,7 +163,7 @@ def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, exper
 
     Returns:
         sorted_token_ids: int32 [max_padded], max_padded = T*k + E*(block_m - 1) rounded up to
-            block_m (see moe_sorting_max_padded): the pair indices by expert; the padding and the
+            block_m (hipkern.moe_sorting_max_padded): the pair indices by expert; the padding and the
             unused tail hold the sentinel T*k.
         expert_ids: int32 [max_padded // block_m], the expert of each block of block_m rows
             (expert_map[e] when expert_map is given), -1 for the unused trailing blocks.

@@ -19,8 +19,8 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import (DTYPE_NAMES, check_device, check_no_overlap, check_tensor, is_float32, lib, module_for,
-                      on_device, raw_stream, sm_count, gpu_name)
+from ._common import (DTYPE_NAMES, check_device, check_no_overlap, check_tensor, gpu_name, impl_checked, is_float32,
+                      lib, module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
@@ -464,7 +464,7 @@ def _checked_launch(query, key_cache, value_cache, block_tables, context_lens, s
     _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse)
 
 
-lib.impl("paged_attention_decode", _checked_launch, "CUDA")
+impl_checked("paged_attention_decode", _checked_launch)
 
 
 @torch.library.register_fake("hipkern::paged_attention_decode")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ._common import (DTYPE_NAMES, check_device, check_int, check_routing_apart, check_routing_out, check_tensor,
-                      lib, module_for, on_device, raw_stream)
+                      impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -99,8 +99,8 @@ def _checked_out(gating_logits, topk, renormalize, weights, ids):
     _launch_out(gating_logits, topk, renormalize, weights, ids)
 
 
-lib.impl("topk_softmax", _checked_impl, "CUDA")
-lib.impl("topk_softmax_out", _checked_out, "CUDA")
+impl_checked("topk_softmax", _checked_impl)
+impl_checked("topk_softmax_out", _checked_out)
 
 
 def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = True, *, out=None):
