@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     try:
         archs = [jit.platform.check_arch(a) for a in args.arch] if args.arch else [jit.current_arch()]
     except jit.JitError as e:  # no GPU and no --arch, or a misspelt one: one line, not a traceback
-        print(f"python -m hipkern.build: error: {e}", file=sys.stderr)
+        hint = "" if args.arch else " (pass --arch, e.g. --arch gfx942 --arch sm_90)"
+        print(f"python -m hipkern.build: error: {e}{hint}", file=sys.stderr)
         return 2
     specs = select(args.only)
     if not specs:

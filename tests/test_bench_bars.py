@@ -1,4 +1,6 @@
 """The benchmarks' bar report (hipkern.bench.bars) on hand-made rows: each bar met and missed."""
+import pytest
+
 from hipkern.bench import bars
 
 
@@ -139,3 +141,14 @@ def test_the_bytes_the_benchmarks_count():
     case = moe.Case(0, torch.bfloat16, 1, 7168, 256, 256, 8, "uniform", "ref")
     assert case.expert_bytes == 3 * 7168 * 256 * 2
     assert moe.Case(0, torch.float32, 1, 8192, 6144, 8, 2, "skewed", "ref").expert_bytes == 3 * 8192 * 6144 * 4
+
+
+def test_bench_cli_refuses_block_m_128_where_the_cases_include_float32(capsys):
+    """fused_moe offers block_m 128 for 16-bit types only: the CLI says so before any case runs (it used to
+    fail on the first float32 case, after its naive timing, and abort every benchmark after it)."""
+    from hipkern.bench.__main__ import main
+
+    for argv in (["moe", "--block-m", "128"], ["all", "--block-m", "128", "--dtype", "fp32"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "--block-m 128 takes --dtype bf16" in capsys.readouterr().err

@@ -411,6 +411,15 @@ def test_build_only_is_repeatable_and_selects_any_pattern(capsys):
     assert "error: arch 'sm9' is not a GPU architecture name" in capsys.readouterr().err
 
 
+def test_build_without_a_gpu_or_arch_says_to_pass_arch(capsys, monkeypatch):
+    from hipkern import build
+
+    monkeypatch.delenv("HIPKERN_ARCH", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert build.main(["--only", "topk_softmax"]) == 2
+    assert "HIPKERN_ARCH is not set" in (err := capsys.readouterr().err) and "(pass --arch" in err
+
+
 def test_module_override_is_what_module_for_returns_then_is_undone():
     """The ops' per-device module cache: an override (a diagnostic build, say) is found under the same
     key as the op's lookup whatever the keyword order, and the previous entry comes back after it."""

@@ -23,6 +23,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-m", type=int, default=None, choices=(8, 16, 32, 64, 128),
                     help="moe: pin fused_moe's block_m (default: its automatic choice; 128: 16-bit types)")
     args = ap.parse_args(argv)
+    if args.block_m == 128 and args.dtype not in ("bf16", "bfloat16"):
+        ap.error("--block-m 128 takes --dtype bf16: fused_moe offers block_m 128 for 16-bit types only, and the "
+                 "moe benchmark's cases include float32 otherwise")
     options = {"cases": args.cases, "dtype": args.dtype, "block_m": args.block_m}
     names = sorted(BENCHES) if "all" in args.which else args.which
     unknown = [n for n in names if n not in BENCHES and n not in EXTRA]

@@ -20,7 +20,7 @@ uniform counterpart per byte moved: its time per byte at most 1.1x uniform's, i.
 1 / 1.1 = 0.909 of uniform's. The MoE rates here are over the activated experts' weights alone, as the
 issue counts them (the benchmark's TBps column adds the hidden states in and out).
 
-The bars are the H100's figures (its 3.0 TB/s copy rate, DESIGN.md): on any other GPU device_lines() says
+The bars are the H100's figures (its measured 3.0 TB/s copy rate): on any other GPU device_lines() says
 that the verdicts judge nothing.
 """
 from __future__ import annotations
