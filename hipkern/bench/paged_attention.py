@@ -6,8 +6,8 @@ gather the paged K/V into contiguous tensors, then scaled_dot_product_attention(
 SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes: the K/V rows actually
 read (each once), plus Q and O. Custom_Time_us: variant=None (the tuning database's choice, Variant, with
 its parameters); it and the per-variant columns (defaults): run_perftest (events
-around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the calls back to back in one
-CUDA graph over rotated inputs, as serving engines run decode and as the issue's peer figures were
+around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the calls back to back in
+CUDA graphs over rotated inputs, as serving engines run decode and as the issue's peer figures were
 taken). Floor_us: a plain read of the row's bytes in run_perftest (bench.floor.read_floor_us), the least
 any kernel reading them takes in this harness.
 """
