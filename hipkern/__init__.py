@@ -5,8 +5,9 @@
 
 Kernels are JIT-built for the current GPU on first use and cached (see hipkern.jit).
 """
-from .ops import fused_moe, grouped_topk, moe_sorting, moe_sorting_max_padded, paged_attention_decode, topk_softmax
+from .ops import (fused_moe, grouped_topk, moe_sorting, moe_sorting_max_padded, paged_attention_decode,
+                  topk_softmax)
 
 __version__ = "0.1.0"
-__all__ = ["fused_moe", "grouped_topk", "moe_sorting", "moe_sorting_max_padded", "paged_attention_decode", "topk_softmax",
-           "__version__"]
+__all__ = ["fused_moe", "grouped_topk", "moe_sorting", "moe_sorting_max_padded", "paged_attention_decode",
+           "topk_softmax", "__version__"]

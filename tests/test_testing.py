@@ -4,6 +4,7 @@ import time
 
 import math
 import re
+import warnings
 
 import pandas as pd
 import pytest
@@ -377,20 +378,25 @@ def test_run_graphtest_replays_one_call_per_rotated_copy():
 def test_run_graphtest_rotates_small_inputs_over_several_graphs():
     from hipkern.testing import run_graphtest
 
-    x = torch.randn(1 << 14, device="cuda")  # 64 KB: 256 copies for 16 MB, 64 calls a graph
+    x = torch.randn(1 << 14, device="cuda")  # 64 KB: 256 copies for 16 MB, in 3 graphs of at most 100 calls
     seen = []
 
     def f(t):
         seen.append(t.data_ptr())
-        return t + 1
+        return t + t.data_ptr() % 997  # each copy's output its own
 
-    out, us = run_graphtest(f, x, num_iters=2, rotate_bytes=16 << 20, max_copies=64)
-    # every copy called once in the warm-up and once in its graph's capture
-    assert len(set(seen)) == 256 and len(seen) == 2 * 256
+    out, us = run_graphtest(f, x, num_iters=2, rotate_bytes=16 << 20, max_copies=100)
+    # every copy called once in the warm-up and once in its graph's capture, the last copy last
+    assert len(set(seen)) == 256 and len(seen) == 2 * 256 and seen[-1] == seen[255]
     assert us > 0 and math.isfinite(us)
-    assert torch.equal(out, x + 1)  # the last graph's last call, written by its replays
+    assert torch.equal(out, x + seen[-1] % 997)  # the last graph's last call, written by its replays
     with pytest.warns(UserWarning, match="part of the inputs stays in L2"):
         run_graphtest(f, x, num_iters=1, rotate_bytes=16 << 20, max_copies=64, max_graphs=2)
+    y = torch.zeros(4, device="cuda")
+    with warnings.catch_warnings():  # no tensor arguments: func rotates its own inputs, nothing to warn of
+        warnings.simplefilter("error")
+        run_graphtest(lambda: y.add_(1), num_iters=1, max_copies=8)
+    assert y[0].item() == 3 * 8  # 8 calls warmed up, then the graph of 8 replayed once before timing, once timed
 
 
 @pytest.mark.gpu

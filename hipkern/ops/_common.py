@@ -15,7 +15,6 @@ __all__ = ["lib", "impl_checked", "check_tensor", "check_device", "check_int", "
 lib = torch.library.Library("hipkern", "DEF")
 
 
-
 def impl_checked(name: str, fn) -> None:
     """Register `fn` (an op's checks, then its launch) as torch.ops.hipkern.<name> for GPU tensors, and for
     CPU tensors too: there its checks raise the Python function's error ("... must be on a GPU") rather
