@@ -87,7 +87,8 @@ def main(argv=None) -> int:
             a.arch = check_arch(a.arch)
         if a.out is None and a.arch is None and not _has_gpu():
             raise ValueError("report: no GPU visible: pass --out or --arch")
-        out = Path(a.out) if a.out else _default_out(adapter.op, a.arch or adapter.device_info(0)["arch"], True)
+        out = Path(a.out) if a.out else _default_out(adapter.op, a.arch or adapter.device_info(0)["arch"],
+                                                     read_only=True)
         print(report(adapter, out))
         return 0
     a = _tune_parser().parse_args(argv)
