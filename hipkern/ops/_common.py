@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 
 import torch
 
 from .. import jit
 
-__all__ = ["lib", "impl_checked", "check_tensor", "check_device", "check_int", "check_routing_out", "DTYPE_NAMES",
-           "on_device", "raw_stream", "module_for", "module_override", "sm_count", "gpu_name"]
+__all__ = ["lib", "impl_checked", "as_int", "as_float", "check_tensor", "check_device", "check_int",
+           "check_routing_out", "DTYPE_NAMES", "on_device", "raw_stream", "module_for", "module_override", "sm_count",
+           "gpu_name"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -98,6 +100,25 @@ def check_device(device, **tensors) -> None:
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} must be on {device} (the device of the inputs), got {t.device}")
+
+
+def as_int(v):
+    """An integer scalar of another type (numpy's, ...) as a Python int; anything else as it is, for the
+    checks to name. Public functions take their int arguments through it, as torch.ops' schemas do."""
+    if type(v) is not int and isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    return v
+
+
+def as_float(v):
+    """A real scalar of another type than int / float (numpy's float32, int64, ...) as a Python float;
+    anything else, bools included, as it is, for the checks to name."""
+    if type(v) in (int, float) or isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return v
+    try:
+        return float(v)
+    except OverflowError:
+        return v
 
 
 def check_int(name: str, v, lo: int, hi: int, why: str = "") -> None:

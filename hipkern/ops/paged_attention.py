@@ -19,8 +19,8 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import (DTYPE_NAMES, check_device, check_no_overlap, check_tensor, gpu_name, impl_checked, is_float32,
-                      lib, module_for, on_device, raw_stream, sm_count)
+from ._common import (DTYPE_NAMES, as_float, check_device, check_no_overlap, check_tensor, gpu_name, impl_checked,
+                      is_float32, lib, module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
 
@@ -541,6 +541,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     if variant is not None and not isinstance(variant, str):
         raise ValueError(f"variant must be None or a str, got {type(variant).__name__}")
     variant = ALIASES.get(variant, variant)
+    scale = as_float(scale)
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
               variant)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
