@@ -328,6 +328,99 @@ def test_missing_compiler_is_a_clear_error(var, arch, jit_dir, tiny_root, monkey
         jit.build(tiny_spec(tiny_root), arch)
 
 
+def _fake_compiler(path, said="fake compiler 1.0"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho '{said}'\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("var", ["HIPKERN_NVCC", "HIPKERN_HIP_CLANG"])
+def test_compiler_variable_may_name_a_command_on_path(var, tmp_path, monkeypatch):
+    """HIPKERN_NVCC=nvcc: a name without a '/' is looked up on PATH (it was refused as 'not an executable
+    compiler', looked for in the working directory); a path is taken as it is, if it is an executable file."""
+    from hipkern.jit import toolchain
+
+    find = toolchain._find_nvcc if var == "HIPKERN_NVCC" else lambda: toolchain._find_hip_clang()[0]
+    fake = _fake_compiler(tmp_path / "bin" / "hk-fake-cc")
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(var, "hk-fake-cc")
+    assert find() == str(fake)
+    monkeypatch.setenv(var, "bin/hk-fake-cc")  # a relative path: from the working directory, as before
+    assert find() == "bin/hk-fake-cc"
+    monkeypatch.setenv(var, str(fake))
+    assert find() == str(fake)
+    monkeypatch.setenv(var, "hk-no-such-cc")
+    with pytest.raises(JitError, match=f"{var}=hk-no-such-cc is not an executable compiler: there is no "
+                                       "hk-no-such-cc on PATH"):
+        find()
+    for bad in ("bin/", str(tmp_path / "bin")):  # a directory, though one may "execute" (enter) it, is no compiler
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(JitError, match=f"{re.escape(var + '=' + bad)} is not an executable compiler"):
+            find()
+    (tmp_path / "hk-fake-cc").write_text("not executable\n")  # the working directory is not looked in
+    monkeypatch.setenv("PATH", os.defpath)
+    monkeypatch.setenv(var, "hk-fake-cc")
+    with pytest.raises(JitError, match="there is no hk-fake-cc on PATH"):
+        find()
+
+
+def test_cuda_toolchain_from_a_compiler_name_on_path(tmp_path, monkeypatch):
+    """The whole lookup with HIPKERN_NVCC=<name>: the toolchain holds the compiler's path, which the module key's
+    version is asked of."""
+    from hipkern.jit import toolchain
+
+    fake = _fake_compiler(tmp_path / "bin" / "nvcc", "Cuda compilation tools, release 99.0, V99.0.1")
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HIPKERN_NVCC", "nvcc")
+    monkeypatch.setattr(toolchain, "_versions", {})
+    tc = toolchain.find_toolchain("sm_90", tmp_path)
+    assert tc.compiler == str(fake) and tc.version.startswith("Cuda compilation tools, release 99.0, V99.0.1")
+
+
+def test_cache_dir_that_cannot_be_made_is_a_clear_error(tmp_path, tiny_root, monkeypatch):
+    """HIPKERN_JIT_DIR naming a file, or a place no directory can be made, is a JitError naming the variable, its
+    value and the OS's reason (it was a bare FileExistsError / NotADirectoryError / FileNotFoundError)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    cases = [(a_file, "File exists"), (a_file / "jit", "Not a directory"),
+             ("/proc/hipkern-no-such-dir/jit", "No such file or directory")]
+    for value, reason in cases:
+        monkeypatch.setenv("HIPKERN_JIT_DIR", str(value))
+        with pytest.raises(JitError, match=re.escape(f"HIPKERN_JIT_DIR={value} is not a directory that can be used "
+                                                     "as the JIT cache (") + f".*{reason}"):
+            jit.build(tiny_spec(tiny_root), "sm_90")
+    assert a_file.read_text() == "not a directory\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may make a directory anywhere")
+def test_cache_dir_without_permission_is_a_clear_error(tmp_path, tiny_root, monkeypatch):
+    parent = tmp_path / "read-only"
+    parent.mkdir(mode=0o500)
+    monkeypatch.setenv("HIPKERN_JIT_DIR", str(parent / "jit"))
+    with pytest.raises(JitError, match=r"HIPKERN_JIT_DIR=.*/read-only/jit is not a directory .*Permission denied"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_lock_timeout_that_is_not_a_number_of_seconds_is_a_clear_error(tmp_path, monkeypatch):
+    """HIPKERN_JIT_LOCK_TIMEOUT=30s was a bare ValueError from float(); a negative or NaN timeout was taken.
+    Each is a JitError naming the variable and what it takes; the lock is left free."""
+    from hipkern.jit._lock import file_lock
+
+    lock = tmp_path / "x.lock"
+    for bad in ("30s", "-1", "nan", "-inf", "thirty"):
+        monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", bad)
+        with pytest.raises(JitError, match=re.escape(f"HIPKERN_JIT_LOCK_TIMEOUT={bad} is not a number of seconds: "
+                                                     "expected a number >= 0")):
+            with file_lock(lock, "testing"):
+                pytest.fail("took the lock")
+    for good in ("0", "2.5", "1e3", " 30 ", "inf", ""):  # "" is unset: the default
+        monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", good)
+        with file_lock(lock, "testing"):
+            pass
+
+
 def test_cache_dir_writable_by_others_is_refused(tmp_path, tiny_root, monkeypatch):
     d = tmp_path / "shared-cache"
     d.mkdir()

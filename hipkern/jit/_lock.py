@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import threading
 import time
@@ -32,8 +33,21 @@ def file_lock(path, what: str):
             os.close(fd)
 
 
+def _timeout() -> float:
+    """HIPKERN_JIT_LOCK_TIMEOUT: the seconds to wait for a lock (default 1800); anything else is a JitError."""
+    value = os.environ.get("HIPKERN_JIT_LOCK_TIMEOUT") or "1800"
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = math.nan
+    if not timeout >= 0:  # NaN too
+        raise JitError(f"HIPKERN_JIT_LOCK_TIMEOUT={value} is not a number of seconds: expected a number >= 0, "
+                       "such as 1800 (the default)")
+    return timeout
+
+
 def _acquire(fd, path, what):
-    timeout = float(os.environ.get("HIPKERN_JIT_LOCK_TIMEOUT", "1800"))
+    timeout = _timeout()
     start = time.monotonic()
     told = False
     while True:

@@ -28,8 +28,13 @@ def cache_root() -> Path:
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = Path(base) / "hipkern" / "jit"
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = root.stat()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = root.stat()
+    except OSError as e:  # a file of that name, a parent that cannot be made, no permission
+        where = f"HIPKERN_JIT_DIR={env}" if env else f"JIT cache {root}"
+        raise JitError(f"{where} is not a directory that can be used as the JIT cache ({e}); "
+                       "set HIPKERN_JIT_DIR to a private directory") from e
     if st.st_uid != os.getuid():
         raise JitError(f"JIT cache {root} belongs to uid {st.st_uid}, not to this user ({os.getuid()}); "
                        "set HIPKERN_JIT_DIR to a private directory")

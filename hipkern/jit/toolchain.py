@@ -98,12 +98,22 @@ def _which(candidates) -> str | None:
     return None
 
 
+def _compiler_from_env(var: str, value: str) -> str:
+    """The compiler a variable names: a bare name (``nvcc``) is looked up on PATH, a path is taken as it is."""
+    if os.sep in value:
+        if os.path.isfile(value) and os.access(value, os.X_OK):
+            return value
+        raise JitError(f"{var}={value} is not an executable compiler")
+    found = shutil.which(value)
+    if not found:
+        raise JitError(f"{var}={value} is not an executable compiler: there is no {value} on PATH")
+    return found
+
+
 def _find_nvcc() -> str:
     env = os.environ.get("HIPKERN_NVCC")
     if env:
-        if not os.access(env, os.X_OK):
-            raise JitError(f"HIPKERN_NVCC={env} is not an executable compiler")
-        return env
+        return _compiler_from_env("HIPKERN_NVCC", env)
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     found = _which([cuda_home and os.path.join(cuda_home, "bin", "nvcc"), "nvcc", "/usr/local/cuda/bin/nvcc"])
     if not found:
@@ -116,9 +126,8 @@ def _find_hip_clang() -> tuple[str, str]:
     env = os.environ.get("HIPKERN_HIP_CLANG")
     rocm = os.environ.get("ROCM_PATH")
     if env:
-        if not os.access(env, os.X_OK):
-            raise JitError(f"HIPKERN_HIP_CLANG={env} is not an executable compiler")
-        return env, rocm or ("/opt/rocm" if os.path.isdir("/opt/rocm") else "/usr")
+        clang = _compiler_from_env("HIPKERN_HIP_CLANG", env)
+        return clang, rocm or ("/opt/rocm" if os.path.isdir("/opt/rocm") else "/usr")
     for root in [rocm, "/opt/rocm"]:
         if root and os.access(os.path.join(root, "llvm", "bin", "clang++"), os.X_OK):
             return os.path.join(root, "llvm", "bin", "clang++"), root
