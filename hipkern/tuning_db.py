@@ -29,10 +29,14 @@ Lookup (``lookup(op, arch, cu_count, device_name=..., **shape)``), in this order
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
 ``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys (and the GPU's name), ready for
 the tuner (an op whose columns differ from the file's header, e.g. the second op a process logs, appends
-to ``<stem>.<op>.csv`` beside it). A file
-that cannot be read or lacks columns, and a row with a bad value, a variant the op no longer has or
-parameters the op cannot run (its Schema.check), is skipped with one warning naming the file (and
-line); the op still runs.
+to ``<stem>.<op>.csv`` beside it); a log file that cannot be written warns once per path, and the op
+still runs. A file that cannot be read, is empty, is not comma-separated or lacks columns, and a row with
+a bad value (an exact key the op does not take or names otherwise, e.g. "fp16" or "64.0": it could never
+match), a variant the op no longer has or parameters the op cannot run (its Schema.check), is skipped with
+one warning naming the file (and line); the op still runs. A path in ``HIPKERN_TUNING_DB`` that does not
+exist, or a folder there without ``<arch>/<op>.csv``, is skipped with a warning too (each op looked up on
+the arch names its own missing file); a shipped file that does not exist is skipped silently (no rows of
+that op and arch are shipped). A file in the variable with another op's columns is skipped silently.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_dir", "reset"]
+__all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_dir", "reset", "positive_ints"]
 
 log = logging.getLogger("hipkern.tuning")
 COMMON = ("arch", "cu_count", "variant", "us", "tbps", "err", "date", "commit")
@@ -86,6 +90,16 @@ def bucket(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def positive_ints(row: dict, keys) -> str | None:
+    """For an op's Schema.check: why one of the exact `keys` of a parsed row is not a positive integer as
+    lookup names it (exact keys match as strings: "64.0" or "064" would never match 64), or None."""
+    for k in keys:
+        v = row[k]
+        if not (v.isascii() and v.isdigit()) or v != str(int(v)) or v == "0":
+            return f"{k}={v!r} is not a positive integer (digits, no leading zero)"
+    return None
+
+
 def shipped_results_dir() -> Path:
     """tuning/results of a checkout, or hipkern/_tuning/results inside an installed wheel."""
     pkg = Path(__file__).resolve().parent
@@ -109,6 +123,7 @@ def reset() -> None:
     with _lock:
         _tables.clear()
         _memo.clear()
+        _log_failed.clear()
 
 
 class _Table:
@@ -141,6 +156,14 @@ class _Table:
                 reader = csv.DictReader(fh)
                 # a parameter or measure column a file lacks (written before it existed) reads as empty
                 have = reader.fieldnames or ()
+                if not have:
+                    warnings.warn(f"hipkern tuning file {path} is empty (no header on its first line); skipped",
+                                  stacklevel=4)
+                    return
+                if not any(c in have for c in COMMON):  # e.g. ';'-separated: the header is one unknown column
+                    warnings.warn(f"hipkern tuning file {path} has no tuning columns in its header "
+                                  f"({','.join(have)[:80]!r}: not comma-separated?); skipped", stacklevel=4)
+                    return
                 missing = [c for c in self.schema.columns if c not in have
                            and c not in self.schema.param_keys + self.schema.measures + (DEVICE,)]
                 if (all(k in missing for k in self.schema.bucket_keys)
@@ -299,10 +322,22 @@ def _log_untuned(schema: Schema, arch: str, cu_count: int, device_name: str, sha
     cols = ["op", "arch", "cu_count", DEVICE, *schema.exact_keys, *schema.bucket_keys]
     with _lock:
         path = _log_path(path, cols, schema.op)
-        new = not os.path.exists(path) or os.path.getsize(path) == 0
-        with open(path, "a", newline="") as fh:
-            w = csv.writer(fh, lineterminator="\n")
-            if new:
-                w.writerow(cols)
-            w.writerow([schema.op, arch, cu_count, device_name, *(shape[k] for k in schema.exact_keys),
-                        *(shape[k] for k in schema.bucket_keys)])
+        try:
+            new = not os.path.exists(path) or os.path.getsize(path) == 0
+            with open(path, "a", newline="") as fh:
+                w = csv.writer(fh, lineterminator="\n")
+                if new:
+                    w.writerow(cols)
+                w.writerow([schema.op, arch, cu_count, device_name, *(shape[k] for k in schema.exact_keys),
+                            *(shape[k] for k in schema.bucket_keys)])
+            return
+        except OSError as e:  # a diagnostics variable never fails the op
+            if path in _log_failed:
+                return
+            _log_failed.add(path)
+            why = e
+    warnings.warn(f"hipkern: HIPKERN_LOG_UNTUNED file {path} cannot be written ({why}); untuned shapes are not "
+                  f"logged there", stacklevel=3)
+
+
+_log_failed: set = set()  # HIPKERN_LOG_UNTUNED paths that could not be written (warned once each)

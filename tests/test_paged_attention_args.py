@@ -41,6 +41,12 @@ def _call(c, **kw):
           context_lens=torch.ones(65536, dtype=torch.int32)), {}, "query must hold 1..65535 sequences"),
     (dict(key_cache=torch.randn(10, 16, 2, 128, dtype=torch.float16)), {}, "key_cache must be one of bfloat16"),
     (dict(value_cache=torch.randn(10, 16, 2, 64, dtype=torch.bfloat16)), {}, "value_cache must have the shape"),
+    (dict(value_cache=torch.randn(10, 2, 16, 128, dtype=torch.bfloat16).transpose(1, 2)), {},
+     "value_cache must have the shape and strides of key_cache"),  # another layout: strides differ
+    # one KV head: the head dimension's stride never matters, so both layouts' tensors pass as "NHD" caches
+    (dict(key_cache=torch.randn(10, 16, 1, 128, dtype=torch.bfloat16),
+          value_cache=torch.randn(10, 1, 16, 128, dtype=torch.bfloat16).transpose(1, 2),
+          query=torch.randn(2, 4, 128, dtype=torch.bfloat16)), {}, "query must be on a GPU"),
     (dict(key_cache=torch.randn(10, 16, 2, 132, dtype=torch.bfloat16)[..., :128],
           value_cache=torch.randn(10, 16, 2, 132, dtype=torch.bfloat16)[..., :128]), {}, "key_cache/value_cache rows must be 16-byte aligned"),
     (dict(key_cache=torch.randn(10, 16, 3, 128, dtype=torch.bfloat16),
@@ -323,17 +329,21 @@ def test_direct_op_calls_are_validated_before_any_launch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v_stride", [2**40, 12345])
 @pytest.mark.parametrize("dim", ["block", "head", "token"])
-def test_any_stride_of_a_one_element_dimension(dim):
+def test_any_stride_of_a_one_element_dimension(dim, v_stride):
     """torch allows any stride on a dimension of one element (here 2^40 elements, which the tensor maps
-    refuse): it is read as 0, so every variant runs such a cache (the tensor-map ones had raised)."""
+    refuse): it is read as 0, so every variant runs such a cache (the tensor-map ones had raised); and
+    value_cache may have another stride there than key_cache (an MQA cache allocated in another layout)."""
     nb, bs, hkv = {"block": (1, 16, 2), "head": (4, 16, 1), "token": (40, 1, 2)}[dim]
     d, group = 128, 4
     base = torch.randn(2, nb * bs * hkv * d, device="cuda").to(torch.bfloat16)
     strides = [bs * hkv * d, hkv * d, d, 1]
     strides[{"block": 0, "token": 1, "head": 2}[dim]] = 2**40
     k = torch.as_strided(base[0], (nb, bs, hkv, d), strides)
-    v = torch.as_strided(base[1], (nb, bs, hkv, d), strides)
+    v_strides = list(strides)
+    v_strides[{"block": 0, "token": 1, "head": 2}[dim]] = v_stride
+    v = torch.as_strided(base[1], (nb, bs, hkv, d), v_strides)
     n = min(nb * bs, 37)
     bt = torch.arange(nb, dtype=torch.int32, device="cuda").flip(0).view(1, nb).repeat(2, 1).contiguous()
     cl = torch.tensor([n, max(1, n // 2)], dtype=torch.int32, device="cuda")

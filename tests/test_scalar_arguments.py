@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hipkern
-from hipkern.ops._common import as_float, as_int
+from hipkern.ops._common import as_bool, as_float, as_int
 
 from moe_cases import make_case
 from pa_cases import make_case as make_pa_case
@@ -24,6 +24,9 @@ def test_as_int_and_as_float_convert_numpy_scalars_only():
         assert as_int(v) is v
     for v in (True, np.bool_(True), "0.5", None, torch.tensor(0.5)):
         assert as_float(v) is v
+    assert as_bool(np.bool_(False)) is False and as_bool(np.bool_(True)) is True
+    for v in (1, np.int64(1), 1.0, "True", None):
+        assert as_bool(v) is v
 
 
 def _logits(t=4, e=16):
@@ -62,6 +65,69 @@ def test_numpy_integers_are_taken_as_ints(call, name, ok, refused, kind):
         call(np.float64(4.0))
 
 
+BOOL_CALLS = [
+    ("renormalize", lambda v: hipkern.topk_softmax(_logits(), 2, v), "gating_logits must be on a GPU"),
+    ("renormalize", lambda v: hipkern.grouped_topk(_logits(), None, 2, 4, 2, renormalize=v),
+     "gating_logits must be on a GPU"),
+    ("validate", lambda v: hipkern.moe_sorting(torch.zeros(4, 2, dtype=torch.int32), 8, 16, validate=v),
+     "topk_ids must be on a GPU"),
+]
+
+
+@pytest.mark.parametrize("name,call,ok", BOOL_CALLS, ids=[c[0] + str(i) for i, c in enumerate(BOOL_CALLS)])
+def test_numpy_bools_are_taken_as_bools(name, call, ok):
+    for v in (np.bool_(True), np.bool_(False)):
+        with pytest.raises(ValueError, match=ok):
+            call(v)
+    with pytest.raises(ValueError, match=rf"{name} must be a bool, got int"):
+        call(np.int64(1))
+
+
+def test_moe_sorting_max_padded_checks_its_arguments():
+    assert hipkern.moe_sorting_max_padded(np.int64(6), np.int32(4), 2) == 10 == hipkern.moe_sorting_max_padded(6, 4, 2)
+    for args, match in [((8, 8, 0), r"block_m must be in \[1, 1024\], got 0"),
+                        ((8.0, 8, 16), "num_pairs must be an int, got float"),
+                        ((-100, 8, 16), r"num_pairs must be in \[0, 2147483647\], got -100"),
+                        ((8, 0, 16), r"num_experts must be in \[1, 1024\], got 0")]:
+        with pytest.raises(ValueError, match=match):
+            hipkern.moe_sorting_max_padded(*args)
+
+
+def test_the_ops_modules_hold_their_limits():
+    """hipkern.ops.<op> is the op's module (its limits and helpers, which docstrings name), hipkern.<op> the op."""
+    import hipkern.ops.fused_moe as fm
+    import hipkern.ops.topk_softmax as ts
+    assert fm.DECODE_MAX_PAIRS > 0 and callable(fm.choose_config) and callable(fm.gemv_fits)
+    assert ts.MAX_TOPK == 16 and hipkern.ops.grouped_topk.MAX_GROUPS == 64 and hipkern.ops.moe_sorting.MAX_EXPERTS
+    assert hipkern.fused_moe is fm.fused_moe and hipkern.topk_softmax is ts.topk_softmax
+    assert hipkern.paged_attention_decode is hipkern.ops.paged_attention.paged_attention_decode
+
+
+def test_numpy_scalars_under_torch_compile():
+    """torch.compile's tracer turns numpy scalars into arrays of its own; they are still taken (CPU tensors: the
+    call gets as far as the device check, the last one, as it does eagerly). Under fullgraph=True it traces them
+    as tensors: refused by name, as documented (pass Python numbers there)."""
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.topk, self.factor, self.renorm = np.int64(2), np.float32(2.5), np.bool_(True)
+
+        def forward(self, x):
+            return hipkern.grouped_topk(x, None, self.topk, 4, 2, renormalize=self.renorm,
+                                        routed_scaling_factor=self.factor)
+
+    def route(x, k):
+        return hipkern.topk_softmax(x, k)
+
+    with pytest.raises(ValueError, match="gating_logits must be on a GPU"):
+        torch.compile(Router(), backend="eager")(_logits())
+    with pytest.raises(ValueError, match="gating_logits must be on a GPU"):
+        torch.compile(route, backend="eager")(_logits(), np.int64(2))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="topk must be an int"):  # the ValueError, as dynamo passes it on
+        torch.compile(route, backend="eager", fullgraph=True)(_logits(), np.int64(2))
+
+
 def test_fused_moe_block_m_as_a_numpy_integer():
     c = dict(hidden_states=torch.randn(4, 16, dtype=torch.bfloat16), w1=torch.randn(4, 16, 16, dtype=torch.bfloat16),
              w2=torch.randn(4, 16, 8, dtype=torch.bfloat16), topk_weights=torch.rand(4, 2),
@@ -72,6 +138,11 @@ def test_fused_moe_block_m_as_a_numpy_integer():
         hipkern.fused_moe(**c, block_m=np.int64(24))
     with pytest.raises(ValueError, match=r"block_m must be an int, got bool"):
         hipkern.fused_moe(**c, block_m=np.bool_(True))
+    for name in ("allow_tf32", "validate"):
+        with pytest.raises(ValueError, match="must be on a GPU"):
+            hipkern.fused_moe(**c, **{name: np.bool_(True)})
+        with pytest.raises(ValueError, match=f"{name} must be a bool, got int"):
+            hipkern.fused_moe(**c, **{name: np.int64(1)})
 
 
 @pytest.mark.parametrize("kind", [np.float32, np.float64])
@@ -88,6 +159,8 @@ def test_float_arguments_as_numpy_floats(kind):
         hipkern.paged_attention_decode(q, kc, vc, bt, cl, scale=kind("nan"))
     with pytest.raises(ValueError, match="scale must be a float"):
         hipkern.paged_attention_decode(q, kc, vc, bt, cl, scale=np.bool_(True))
+    with pytest.raises(ValueError, match="query must be on a GPU"):
+        hipkern.paged_attention_decode(q, kc, vc, bt, cl, return_lse=np.bool_(True))
 
 
 # ------------------------------------------------------------------------------------------------ GPU

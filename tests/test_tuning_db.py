@@ -426,3 +426,196 @@ def test_fused_moe_rows_the_op_cannot_run_are_skipped(shipped, tmp_path, monkeyp
     assert "line 4: block_m=24 is not one of (8, 16, 32, 64, 128) for bfloat16" in msgs
     assert tuning_db.lookup("fused_moe", "sm_90", 132, dtype="float32", model_dim=4096, inter_dim=1024,
                             num_experts=64, topk=2, tokens=4) is None
+
+
+def _unwritable(kind, tmp_path):
+    if kind == "missing folder":
+        return tmp_path / "no" / "such" / "untuned.csv"
+    if kind == "a folder":
+        return tmp_path
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return ro / "untuned.csv"
+
+
+@pytest.mark.parametrize("kind", ["missing folder", "a folder", "read-only folder"])
+def test_an_untuned_log_that_cannot_be_written_never_fails_the_op(shipped, tmp_path, monkeypatch, kind):
+    """HIPKERN_LOG_UNTUNED is diagnostics: a path it cannot write warns once (naming the variable, the path and
+    the OS error) and every call returns the same choice; the first call of each shape raised before."""
+    import importlib
+    import os
+
+    import torch
+
+    if kind == "read-only folder" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    fm = importlib.import_module("hipkern.ops.fused_moe")
+    out = _unwritable(kind, tmp_path)
+    monkeypatch.setenv("HIPKERN_LOG_UNTUNED", str(out))
+    args = ("sm_90", 132, 3, 4096, 14336, 8, 2, torch.bfloat16, H100)
+    with pytest.warns(UserWarning, match="HIPKERN_LOG_UNTUNED") as rec:
+        first = fm.choose_config(*args)
+        assert fm.choose_config(*args) == first == fm.choose_config(*args[:-1], "")
+        find(32, 2048)  # another op's miss: the same path, already warned
+        find(64, 2048)
+    msgs = [str(w.message) for w in rec if "HIPKERN_LOG_UNTUNED" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert str(out) in msgs[0] and ("No such file" in msgs[0] or "Is a directory" in msgs[0]
+                                    or "Permission denied" in msgs[0])
+    assert first == (fm.choose_variant(3, 2, torch.bfloat16, fm.default_block_m(3, 2, 8), 8, 4096, 14336),
+                     fm.default_block_m(3, 2, 8))
+
+
+def test_an_untuned_log_path_that_becomes_writable_logs_again(shipped, tmp_path, monkeypatch, recwarn):
+    out = tmp_path / "later" / "untuned.csv"
+    monkeypatch.setenv("HIPKERN_LOG_UNTUNED", str(out))
+    assert find(32, 2048) is None
+    out.parent.mkdir()
+    assert find(64, 2048) is None
+    assert [r["batch"] for r in csv.DictReader(open(out))] == ["64"]
+    assert len([w for w in recwarn if "HIPKERN_LOG_UNTUNED" in str(w.message)]) == 1
+
+
+NOT_INT = r" is not a positive integer \(digits, no leading zero\)"
+PA_ROW = dict(arch="sm_90", cu_count=132, us=5.0, tbps=1.0, err=0.0, date="2027-01-01", commit="x", variant="v16",
+              dtype="bfloat16", head_size=128, block_size=16, num_q_heads=32, num_kv_heads=8, kv_layout="NHD",
+              batch=8, context=1024, partition_size="", heads_per_block="", blocks_per_slot="")
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(dtype="fp16"), r"dtype 'fp16' is not one of \['bfloat16', 'float16'\]"),
+    (dict(dtype="float32"), r"dtype 'float32' is not one of \['bfloat16', 'float16'\]"),
+    (dict(kv_layout="nhd"), r"kv_layout 'nhd' is not one of \('NHD', 'HND'\)"),
+    (dict(block_size="16.0"), "block_size='16.0'" + NOT_INT),
+    (dict(block_size=24), "block_size 24 is not a power of two up to 1024"),
+    (dict(block_size=2048), "block_size 2048 is not a power of two up to 1024"),
+    (dict(head_size="0128"), "head_size='0128'" + NOT_INT),
+    (dict(head_size=96), r"head_size 96 is not one of \(64, 128, 256\)"),
+    (dict(num_q_heads="32.0"), "num_q_heads='32.0'" + NOT_INT),
+    (dict(num_kv_heads=0), "num_kv_heads='0'" + NOT_INT),
+    (dict(num_kv_heads=-8), "num_kv_heads='-8'" + NOT_INT),
+    (dict(num_q_heads=12), "12 query heads over 8 KV heads is no GQA group the op takes"),
+])
+def test_paged_attention_rows_of_shapes_the_op_does_not_take_are_skipped(shipped, tmp_path, monkeypatch, bad, msg):
+    """A row whose exact keys the op does not take, or names otherwise than lookup does, could never match: it is
+    skipped with one warning naming the file's line (such rows loaded silently)."""
+    _op_rows("paged_attention", [dict(PA_ROW, variant="v3", batch=1), dict(PA_ROW, **bad)], monkeypatch, tmp_path)
+    shape = {k: PA_ROW[k] for k in ("dtype", "head_size", "block_size", "num_q_heads", "num_kv_heads", "kv_layout",
+                                    "context")}
+    with pytest.warns(UserWarning, match=f"paged_attention.csv, line 3: {msg}; row skipped") as rec:
+        c = lookup("paged_attention", "sm_90", 132, **shape, batch=8)
+    assert len(rec) == 1
+    assert (c.variant, c.source) == ("v3", "nearest")
+
+
+FM_ROW = dict(arch="sm_90", cu_count=132, us=5.0, tbps=1.0, err=0.0, date="2027-01-01", commit="x", variant="decode",
+              dtype="bfloat16", model_dim=4096, inter_dim=1024, num_experts=64, topk=2, tokens=4, block_m="",
+              skewed_us="")
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(model_dim="64.0"), "model_dim='64.0'" + NOT_INT),
+    (dict(inter_dim="1e3"), "inter_dim='1e3'" + NOT_INT),
+    (dict(num_experts="064"), "num_experts='064'" + NOT_INT),
+    (dict(topk=0), "topk='0'" + NOT_INT),
+    (dict(dtype="bf16"), r"dtype 'bf16' is not one of \['bfloat16', 'float16', 'float32'\]"),
+    (dict(model_dim=100), r"model_dim 100 or inter_dim 1024 is no multiple of 8 \(bfloat16\)"),
+    (dict(dtype="float32", inter_dim=1026), r"model_dim 4096 or inter_dim 1026 is no multiple of 4 \(float32\)"),
+])
+def test_fused_moe_rows_of_shapes_the_op_does_not_take_are_skipped(shipped, tmp_path, monkeypatch, bad, msg):
+    _op_rows("fused_moe", [dict(FM_ROW, variant="grouped", tokens=8), dict(FM_ROW, **bad)], monkeypatch, tmp_path)
+    with pytest.warns(UserWarning, match=f"fused_moe.csv, line 3: {msg}; row skipped") as rec:
+        c = lookup("fused_moe", "sm_90", 132, dtype="bfloat16", model_dim=4096, inter_dim=1024, num_experts=64,
+                   topk=2, tokens=4)
+    assert len(rec) == 1
+    assert (c.variant, c.source) == ("grouped", "nearest")
+
+
+def test_fused_moe_row_with_model_dim_64_0_never_loads_silently(shipped, tmp_path, monkeypatch, recwarn):
+    """The reported case: the row's shape is model_dim 64, written as 64.0; the op's calls of model_dim 64 get the
+    heuristic either way, now with the warning that says why."""
+    import importlib
+
+    import torch
+
+    fm = importlib.import_module("hipkern.ops.fused_moe")
+    _op_rows("fused_moe", [dict(FM_ROW, model_dim="64.0", variant="grouped", block_m=128)], monkeypatch, tmp_path)
+    got = fm.choose_config("sm_90", 132, 4, 64, 1024, 64, 2, torch.bfloat16)
+    assert got[1] == fm.default_block_m(4, 2, 64)
+    assert [str(w.message) for w in recwarn if "fused_moe.csv" in str(w.message)] == [
+        f"hipkern tuning file {tmp_path / 'fused_moe.csv'}, line 2: model_dim='64.0' is not a positive integer "
+        f"(digits, no leading zero); row skipped"]
+
+
+@pytest.mark.parametrize("content,msg", [
+    ("", r"is empty \(no header on its first line\); skipped"),
+    ("\n\n", r"is empty \(no header on its first line\); skipped"),
+    (";".join(SCHEMA.columns) + "\nsm_90;132;;a;1.0;1;0;;;bfloat16;128;8;2048;\n",
+     r"has no tuning columns in its header \('arch;cu_count;device;.*: not comma-separated\?\); skipped"),
+    ("\t".join(SCHEMA.columns) + "\n", r"has no tuning columns in its header .*not comma-separated\?\); skipped"),
+], ids=["empty", "blank lines", "semicolons", "tabs"])
+def test_an_empty_or_not_comma_separated_file_warns(shipped, tmp_path, monkeypatch, content, msg):
+    """Such a file named in HIPKERN_TUNING_DB is skipped with a warning naming it and why (it was skipped with a
+    DEBUG log only, as another op's file is); the shipped rows still load."""
+    write(shipped, [row("a", 8, 2048)])
+    bad = tmp_path / "mine.csv"
+    bad.write_text(content)
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(bad))
+    tuning_db.reset()
+    with pytest.warns(UserWarning, match=f"hipkern tuning file {bad} {msg}") as rec:
+        assert find(8, 2048).variant == "a"
+    assert len(rec) == 1
+
+
+def test_an_empty_shipped_file_warns(shipped):
+    write(shipped, [])
+    shipped.write_text("")
+    with pytest.warns(UserWarning, match=r"toyop.csv is empty"):
+        assert find(8, 2048) is None
+
+
+def test_a_header_only_file_is_silent(shipped, tmp_path, monkeypatch, recwarn):
+    write(shipped, [row("a", 8, 2048)])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(write(tmp_path / "none.csv", [])))
+    tuning_db.reset()
+    assert find(8, 2048).variant == "a"
+    assert not [w for w in recwarn if "none.csv" in str(w.message)]
+
+
+def test_missing_paths_in_the_overlay_warn(shipped, tmp_path, monkeypatch):
+    """As documented: a path in HIPKERN_TUNING_DB that does not exist, or a folder without <arch>/<op>.csv, is
+    skipped with a warning naming the file it looked for."""
+    write(shipped, [row("a", 8, 2048)])
+    (tmp_path / "empty_db").mkdir()
+    monkeypatch.setenv("HIPKERN_TUNING_DB", f"{tmp_path / 'no_db'}:{tmp_path / 'empty_db'}")
+    with pytest.warns(UserWarning) as rec:
+        assert find(8, 2048).variant == "a"
+    assert sorted(str(w.message) for w in rec) == [
+        f"hipkern tuning file {tmp_path / 'empty_db' / 'sm_90' / 'toyop.csv'} does not exist; skipped",
+        f"hipkern tuning file {tmp_path / 'no_db'} does not exist; skipped"]
+
+
+def test_the_shipped_database_loads_without_a_warning(monkeypatch):
+    """Every shipped file loads every row: no warning at all (a bad row, a duplicate key or a misplaced arch
+    would each warn; a warning from the shipped files reaches every user)."""
+    import importlib
+    import warnings
+    from pathlib import Path
+
+    importlib.import_module("hipkern")  # registers every op's schema
+    monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
+    results = Path(__file__).resolve().parents[1] / "tuning" / "results"
+    files = sorted(p for p in results.glob("*/*.csv") if not p.name.endswith(".candidates.csv"))
+    assert files
+    monkeypatch.setattr(tuning_db, "shipped_results_dir", lambda: results)
+    tuning_db.reset()
+    try:
+        for f in files:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                table = tuning_db._table(f.stem, f.parent.name)
+            with open(f, newline="") as fh:
+                assert len(table.exact) == len(list(csv.DictReader(fh))), f
+    finally:
+        tuning_db.reset()

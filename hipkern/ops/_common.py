@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import numbers
 
 import torch
 
 from .. import jit
 
-__all__ = ["lib", "impl_checked", "as_int", "as_float", "check_tensor", "check_device", "check_int",
+__all__ = ["lib", "impl_checked", "as_int", "as_float", "as_bool", "check_tensor", "check_device", "check_int",
            "check_routing_out", "DTYPE_NAMES", "on_device", "raw_stream", "module_for", "module_override", "sm_count",
            "gpu_name"]
 
@@ -102,23 +101,34 @@ def check_device(device, **tensors) -> None:
             raise ValueError(f"{name} must be on {device} (the device of the inputs), got {t.device}")
 
 
+_NUMPY_KINDS = {**dict.fromkeys(("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "intc",
+                                  "uintc", "longlong", "ulonglong"), "int"),
+                **dict.fromkeys(("float16", "float32", "float64", "longdouble"), "float"),
+                **dict.fromkeys(("bool", "bool_"), "bool")}
+
+
+def _numpy_kind(v) -> str:
+    """"int", "float" or "bool" for a numpy scalar, else "". By its type's module and name, not isinstance:
+    torch.compile's tracer (graph breaks allowed) sees numpy scalars as its own arrays, whose isinstance
+    checks fail. Under fullgraph=True it traces them as tensors, and they are refused: pass Python numbers."""
+    t = type(v)
+    return _NUMPY_KINDS.get(t.__name__, "") if t.__module__ == "numpy" else ""
+
+
 def as_int(v):
-    """An integer scalar of another type (numpy's, ...) as a Python int; anything else as it is, for the
-    checks to name. Public functions take their int arguments through it, as torch.ops' schemas do."""
-    if type(v) is not int and isinstance(v, numbers.Integral) and not isinstance(v, bool):
-        return int(v)
-    return v
+    """A numpy integer scalar as a Python int; anything else as it is, for the checks to name. Public
+    functions take their int arguments through it (torch.ops' schemas convert such scalars too)."""
+    return int(v) if _numpy_kind(v) == "int" else v
 
 
 def as_float(v):
-    """A real scalar of another type than int / float (numpy's float32, int64, ...) as a Python float;
-    anything else, bools included, as it is, for the checks to name."""
-    if type(v) in (int, float) or isinstance(v, bool) or not isinstance(v, numbers.Real):
-        return v
-    try:
-        return float(v)
-    except OverflowError:
-        return v
+    """A numpy integer or float scalar as a Python float; anything else as it is, for the checks to name."""
+    return float(v) if _numpy_kind(v) in ("int", "float") else v
+
+
+def as_bool(v):
+    """A numpy bool as a Python bool; anything else as it is, for the checks to name."""
+    return bool(v) if _numpy_kind(v) == "bool" else v
 
 
 def check_int(name: str, v, lo: int, hi: int, why: str = "") -> None:

@@ -10,7 +10,7 @@ import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
-from ._common import (DTYPE_NAMES, as_int, check_device, check_int, check_no_overlap, check_tensor, gpu_name,
+from ._common import (DTYPE_NAMES, as_bool, as_int, check_device, check_int, check_no_overlap, check_tensor, gpu_name,
                       impl_checked, lib, module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
@@ -55,10 +55,17 @@ def block_ms_for(dtype) -> tuple:
 
 def _row_problem(row: dict) -> str | None:
     """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a dtype it does
-    not take, a block_m off the dtype's grid, a gemv variant the dtype lacks."""
+    not take, a size that is no positive integer as the op names it or off its 16-byte rows (such a row
+    would never match), a block_m off the dtype's grid, a gemv variant the dtype lacks."""
     dtype = next((d for d, name in DTYPE_NAMES.items() if name == row["dtype"]), None)
     if dtype is None:
         return f"dtype {row['dtype']!r} is not one of {sorted(DTYPE_NAMES.values())}"
+    why = tuning_db.positive_ints(row, ("model_dim", "inter_dim", "num_experts", "topk"))
+    if why:
+        return why
+    vec = 16 // dtype.itemsize  # _validate's 16-byte rows
+    if int(row["model_dim"]) % vec or int(row["inter_dim"]) % vec:
+        return f"model_dim {row['model_dim']} or inter_dim {row['inter_dim']} is no multiple of {vec} ({row['dtype']})"
     bm = row["params"].get("block_m")
     if bm is not None and bm not in block_ms_for(dtype):
         return f"block_m={bm} is not one of {block_ms_for(dtype)} for {row['dtype']}"
@@ -444,6 +451,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
     before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),
     and nothing syncs with the host (CUDA-graph capturable) unless validate=True.
     """
+    allow_tf32, validate = as_bool(allow_tf32), as_bool(validate)
     for name, v in (("allow_tf32", allow_tf32), ("validate", validate)):
         if not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool, got {type(v).__name__}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, as_float, as_int, check_device, check_int, check_routing_apart, check_routing_out,
-                      check_tensor, impl_checked, is_float32, lib, module_for, on_device, raw_stream)
+from ._common import (DTYPE_NAMES, as_bool, as_float, as_int, check_device, check_int, check_routing_apart,
+                      check_routing_out, check_tensor, impl_checked, is_float32, lib, module_for, on_device, raw_stream)
 
 __all__ = ["grouped_topk", "GROUP_SCORINGS", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
 
@@ -200,7 +200,7 @@ def grouped_topk(gating_logits: torch.Tensor, correction_bias: torch.Tensor | No
         0 (logits of -inf) gets NaN weights.
     """
     topk, num_expert_group, topk_group = as_int(topk), as_int(num_expert_group), as_int(topk_group)
-    routed_scaling_factor = as_float(routed_scaling_factor)
+    routed_scaling_factor, renormalize = as_float(routed_scaling_factor), as_bool(renormalize)
     _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,
               routed_scaling_factor, group_scoring, out)
     args = (gating_logits, correction_bias, topk, num_expert_group, topk_group, scoring, renormalize,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (as_int, check_device, check_int, check_outputs_apart, check_tensor, impl_checked, lib, module_for,
-                      on_device, raw_stream)
+from ._common import (as_bool, as_int, check_device, check_int, check_outputs_apart, check_tensor, impl_checked, lib,
+                      module_for, on_device, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -24,7 +24,16 @@ _OUT_NAMES = ("out[0] (sorted_token_ids)", "out[1] (expert_ids)", "out[2] (num_t
 
 
 def moe_sorting_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Length of sorted_token_ids: num_pairs + num_experts * (block_m - 1), rounded up to block_m."""
+    """Length of sorted_token_ids: num_pairs + num_experts * (block_m - 1), rounded up to block_m.
+    num_pairs is T * k (>= 0); num_experts and block_m as moe_sorting takes them."""
+    num_pairs, num_experts, block_m = as_int(num_pairs), as_int(num_experts), as_int(block_m)
+    check_int("num_pairs", num_pairs, 0, _INT32_MAX)
+    check_int("num_experts", num_experts, 1, MAX_EXPERTS)
+    check_int("block_m", block_m, 1, MAX_BLOCK_M)
+    return _max_padded(num_pairs, num_experts, block_m)
+
+
+def _max_padded(num_pairs, num_experts, block_m):  # unchecked: the op's own (possibly symbolic) sizes
     return (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
 
 
@@ -50,7 +59,7 @@ def _validate(topk_ids, num_experts, block_m, expert_map, out=None) -> None:
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise ValueError("out must be a triple (sorted_token_ids, expert_ids, num_tokens_post_padded)")
-        max_padded = moe_sorting_max_padded(num_pairs, num_experts, block_m)
+        max_padded = _max_padded(num_pairs, num_experts, block_m)
         for name, t, shape in zip(names, out, ((max_padded,), (max_padded // block_m,), (1,))):
             check_tensor(name, t, dtypes=(torch.int32,), shape=shape, gpu=False)
     check_tensor("topk_ids", topk_ids)
@@ -72,7 +81,7 @@ def _check_values(topk_ids, num_experts, expert_map) -> None:
 
 def _outputs(topk_ids, num_experts, block_m):
     dev = topk_ids.device
-    max_padded = moe_sorting_max_padded(topk_ids.shape[0] * topk_ids.shape[1], num_experts, block_m)
+    max_padded = _max_padded(topk_ids.shape[0] * topk_ids.shape[1], num_experts, block_m)
     return (torch.empty((max_padded,), dtype=torch.int32, device=dev),
             torch.empty((max_padded // block_m,), dtype=torch.int32, device=dev),
             torch.empty((1,), dtype=torch.int32, device=dev))
@@ -170,9 +179,9 @@ def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, exper
         num_tokens_post_padded: int32 [1], the rows in use (a multiple of block_m).
         (`out` itself when given.)
     """
+    num_experts, block_m, validate = as_int(num_experts), as_int(block_m), as_bool(validate)
     if not isinstance(validate, bool):
         raise ValueError(f"validate must be a bool, got {type(validate).__name__}")
-    num_experts, block_m = as_int(num_experts), as_int(block_m)
     _validate(topk_ids, num_experts, block_m, expert_map, out)
     if validate:
         _check_values(topk_ids, num_experts, expert_map)

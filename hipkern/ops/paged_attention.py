@@ -19,14 +19,15 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import (DTYPE_NAMES, as_float, check_device, check_no_overlap, check_tensor, gpu_name, impl_checked,
-                      is_float32, lib, module_for, on_device, raw_stream, sm_count)
+from ._common import (DTYPE_NAMES, as_bool, as_float, check_device, check_no_overlap, check_tensor, gpu_name,
+                      impl_checked, is_float32, lib, module_for, on_device, raw_stream, sm_count)
 
-__all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA"]
+__all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA", "MAX_BLOCK_SIZE"]
 
 HEAD_SIZES = (64, 128, 256)
 KV_LAYOUTS = ("NHD", "HND")  # [blocks, block_size, kv_heads, D] / [blocks, kv_heads, block_size, D]
 MAX_GQA = 64
+MAX_BLOCK_SIZE = 1024  # the cache's block size: a power of two up to this
 MAX_TOKENS = 2**30 - 1  # per block-table row: keeps the kernel's 32-bit token sums below 2^31
 MAX_PARTITIONS = 65535  # grid z
 # HIP runs a grid of 2^32 threads or more wrongly (launch.h threads_fit; the launcher refuses it): on 64-lane
@@ -250,28 +251,34 @@ VARIANTS = {
 
 
 def _row_problem(row: dict) -> str | None:
-    """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a parameter
-    its variant's plan does not take, a heads_per_block its kernel lacks for the row's GQA group, or a
-    head size its kernel does not run on the row's arch."""
+    """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a shape the op does
+    not take or names otherwise (dtype, layout, head size, block size, GQA group: such a row would never
+    match), a parameter its variant's plan does not take, a heads_per_block its kernel lacks for the row's
+    GQA group, or a head size its kernel does not run on the row's arch."""
+    why = tuning_db.positive_ints(row, ("head_size", "block_size", "num_q_heads", "num_kv_heads"))
+    if why:
+        return why
+    dtypes = sorted(DTYPE_NAMES[t] for t in DTYPES)
+    if row["dtype"] not in dtypes:
+        return f"dtype {row['dtype']!r} is not one of {dtypes}"
+    if row["kv_layout"] not in KV_LAYOUTS:
+        return f"kv_layout {row['kv_layout']!r} is not one of {KV_LAYOUTS}"
+    d, bs, q, kv = (int(row[k]) for k in ("head_size", "block_size", "num_q_heads", "num_kv_heads"))
+    if d not in HEAD_SIZES:
+        return f"head_size {d} is not one of {HEAD_SIZES}"
+    if bs & (bs - 1) or bs > MAX_BLOCK_SIZE:
+        return f"block_size {bs} is not a power of two up to {MAX_BLOCK_SIZE}"
+    if q % kv or q // kv > MAX_GQA:
+        return f"{q} query heads over {kv} KV heads is no GQA group the op takes"
     var = VARIANTS[row["variant"]]
     takes = (set(inspect.signature(var.plan).parameters) - {"shape"}) | {"heads_per_block"}
     extra = sorted(set(row["params"]) - takes)
     if extra:
         return f"variant {var.name} takes no {', '.join(extra)}"
     try:
-        q, kv = int(row["num_q_heads"]), int(row["num_kv_heads"])
-    except ValueError:
-        return "num_q_heads / num_kv_heads are not integers"
-    if kv < 1 or q < 1 or q % kv or q // kv > MAX_GQA:
-        return f"{q} query heads over {kv} KV heads is no GQA group the op takes"
-    try:
         heads_per_block(var, q // kv, row["params"])
     except ValueError as e:
         return str(e)
-    try:
-        d = int(row["head_size"])
-    except ValueError:
-        return "head_size is not an integer"
     if not kernel_runs(var, d, jit.wave_size_of(row["arch"])):
         return f"variant {var.name} does not run head size {d} on {row['arch']} (use v3 or v9 there)"
     return None
@@ -296,11 +303,16 @@ tuning_db.register(tuning_db.Schema(
 ALIASES = {"v4": "v16", "v7": "v16"}
 
 
+def _strides(t) -> list:
+    """t's strides with those of one-element dimensions as 0 (see _cache_dims)."""
+    return [0 if n == 1 else x for n, x in zip(t.shape, t.stride())]
+
+
 def _cache_dims(kv_layout, cache):
     """(blocks, block size, KV heads, head size, block / token / head strides). A dimension of one element
     has no stride that matters, and torch allows any there (2^40 elements, say, which the tensor maps
     refuse): it reads as 0, as an expanded dimension's."""
-    st = [0 if n == 1 else x for n, x in zip(cache.shape, cache.stride())]
+    st = _strides(cache)
     if kv_layout == "NHD":
         nb, bs, hkv, d = cache.shape
         return nb, bs, hkv, d, st[0], st[1], st[2]
@@ -319,8 +331,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         check_tensor(name, c, ndim=4, dtypes=(query.dtype,), contiguous=False, gpu=False)
         if c.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last (head) dimension")
-    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value_cache must have the shape and strides of key_cache, got "
+    if value_cache.shape != key_cache.shape or _strides(value_cache) != _strides(key_cache):
+        raise ValueError(f"value_cache must have the shape and strides of key_cache (but on dimensions of one "
+                         f"element), got "
                          f"{tuple(value_cache.shape)}/{value_cache.stride()} vs {tuple(key_cache.shape)}/{key_cache.stride()}")
     num_seqs, num_q_heads, head_size = query.shape
     nb, bs, hkv, d, sb, st, sh = _cache_dims(kv_layout, key_cache)
@@ -328,8 +341,9 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         raise ValueError(f"query head size must be one of {HEAD_SIZES}, got {head_size}")
     if d != head_size:
         raise ValueError(f"key_cache head size {d} (layout {kv_layout}) differs from query's {head_size}")
-    if bs < 1 or bs & (bs - 1) or bs > 1024:
-        raise ValueError(f"key_cache block size must be a power of two up to 1024 (layout {kv_layout}), got {bs}")
+    if bs < 1 or bs & (bs - 1) or bs > MAX_BLOCK_SIZE:
+        raise ValueError(f"key_cache block size must be a power of two up to {MAX_BLOCK_SIZE} (layout {kv_layout}), "
+                         f"got {bs}")
     if num_q_heads < 1:
         raise ValueError(f"query must have at least one head, got shape {tuple(query.shape)}")
     if hkv < 1 or num_q_heads % hkv:
@@ -541,7 +555,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     if variant is not None and not isinstance(variant, str):
         raise ValueError(f"variant must be None or a str, got {type(variant).__name__}")
     variant = ALIASES.get(variant, variant)
-    scale = as_float(scale)
+    scale, return_lse = as_float(scale), as_bool(return_lse)
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
               variant)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, as_int, check_device, check_int, check_routing_apart, check_routing_out,
+from ._common import (DTYPE_NAMES, as_bool, as_int, check_device, check_int, check_routing_apart, check_routing_out,
                       check_tensor, impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
@@ -122,7 +122,7 @@ def topk_softmax(gating_logits: torch.Tensor, topk: int, renormalize: bool = Tru
         keep their logits' order. num_tokens == 0 gives empty tensors. Logits must be
         finite or -inf with a finite row maximum; NaN gives unspecified (but in-range) ids.
     """
-    topk = as_int(topk)
+    topk, renormalize = as_int(topk), as_bool(renormalize)
     _validate(gating_logits, topk, renormalize, out)
     if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
         if out is None:
