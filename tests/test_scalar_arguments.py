@@ -124,7 +124,9 @@ def test_numpy_scalars_under_torch_compile():
     with pytest.raises(ValueError, match="gating_logits must be on a GPU"):
         torch.compile(route, backend="eager")(_logits(), np.int64(2))
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="topk must be an int"):  # the ValueError, as dynamo passes it on
+    # torch 2.13: the op's ValueError ("topk must be an int, got ndarray") as dynamo passes it on; torch 2.11:
+    # dynamo's own error (a graph break, on the numpy scalar's type name). Never a traced call.
+    with pytest.raises(Exception, match="topk must be an int|graph break|Dynamo"):
         torch.compile(route, backend="eager", fullgraph=True)(_logits(), np.int64(2))
 
 
