@@ -417,17 +417,17 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
 
     Args:
         hidden_states: [T, D] float32, bfloat16 or float16, contiguous on the GPU (T may be 0).
-        w1: [E, 2 * I, D], the gate rows then the up rows of each expert; same dtype.
-        w2: [E, D, I]; same dtype. D and I must be multiples of 8 (16-bit) or 4 (float32).
-        topk_weights: float32 [T, k]. topk_ids: int32 [T, k], ids in [0, E) (E: expert_map's length
+        w1: [E, 2 * I, D], the gate rows then the up rows of each expert; same dtype, contiguous.
+        w2: [E, D, I]; same dtype, contiguous. D and I must be multiples of 8 (16-bit) or 4 (float32).
+        topk_weights: float32 [T, k]. topk_ids: int32 [T, k] (both contiguous), ids in [0, E) (E: expert_map's length
             when given, else w1's first dim; 1 <= E <= 1024). Ids outside it are dropped without validate
             (undefined but in-bounds). T x k + 128 E must stay under about 2^30 (int32 indices).
         activation: "silu" or "gelu" (exact erf form).
-        expert_map: optional int32 [E_global] for expert parallelism: each expert's index into w1/w2
+        expert_map: optional contiguous int32 [E_global] for expert parallelism: each expert's index into w1/w2
             (whose first dim is then the local expert count), or -1 for experts on other GPUs, whose
             pairs contribute nothing here (nor do pairs mapped past w1's experts, undefined without
             validate: their weights are never read).
-        out: optional [T, D] tensor of the input dtype, written in place (every element) and returned;
+        out: optional contiguous [T, D] tensor of the input dtype, written in place (every element) and returned;
             it may be hidden_states itself, but must share no memory with any other input (ValueError).
         allow_tf32: permission to use TF32 for float32 inputs; the kernels keep float32 accuracy
             either way (no TF32 path yet): FMAs, or at block_m 64 on sm_90 exactly scaled two-term

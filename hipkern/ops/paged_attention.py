@@ -541,10 +541,10 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
         block_tables: int32 [num_seqs, max_blocks_per_seq]: physical block of each logical block (blocks
             may be shared); max_blocks_per_seq * block_size <= 2^30 - 1. Tokens whose id lies outside
             [0, num_blocks) are masked: never read.
-        context_lens: int32 [num_seqs]; 0 gives a zero output row and an LSE of -inf. Lengths are
+        context_lens: contiguous int32 [num_seqs]; 0 gives a zero output row and an LSE of -inf. Lengths are
             clamped to [0, max_blocks_per_seq * block_size].
         scale: softmax scale, default 1/sqrt(head_size).
-        out: optional output [num_seqs, num_q_heads, head_size] (query's dtype), written in place.
+        out: optional contiguous output [num_seqs, num_q_heads, head_size] (query's dtype), written in place.
         return_lse: also return the natural-log LSE of each (sequence, head), float32.
         variant: None (the tuning database's choice for this shape, else the heuristic default) or
             one of VARIANTS (with its default parameters), or a name of ALIASES (the variant it is).
