@@ -22,20 +22,27 @@ inline int max_block_shared(int device, int* out) {
   return 0;
 }
 
-// Dynamic shared memory above the default 48 KB is checked against the device's limit and opted
-// into, once per kernel and device: `raised` is the kernel's own set of devices done (devices >= 64
-// check every time).
+// A kernel's shared memory, its static __shared__ and `smem_bytes` of dynamic, is checked against the
+// device's limit and, above the default 48 KB, the dynamic part opted into: once per kernel and device
+// (a kernel's dynamic size is fixed), `raised` being the kernel's own set of devices done (devices >= 64
+// check every time). (HIP's launch checks the dynamic part alone: a static part that pushes the total past
+// the LDS would fail there without this error.)
 template <typename Kernel>
 int allow_shared(Kernel kernel, unsigned long long& raised, int smem_bytes, int device) {
   const unsigned long long bit = device < 64 ? 1ull << device : 0;
-  if (smem_bytes <= 48 * 1024 || (__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit)) return 0;
-  int most = 0;
-  HK_TRY(max_block_shared(device, &most));
-  if (smem_bytes > most)
-    return set_invalid("this kernel's shared memory per block exceeds the device's (choose another variant or "
-                       "tile size)", __FILE__, __LINE__);
-  HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes));
+  if (__atomic_load_n(&raised, __ATOMIC_RELAXED) & bit) return 0;
+  hipFuncAttributes attr;
+  HK_CHECK(hipFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
+  const int64_t total = (int64_t)smem_bytes + (int64_t)attr.sharedSizeBytes;
+  if (total > 48 * 1024) {
+    int most = 0;
+    HK_TRY(max_block_shared(device, &most));
+    if (total > most)
+      return set_invalid("this kernel's shared memory per block (static and dynamic) exceeds the device's (choose "
+                         "another variant or tile size)", __FILE__, __LINE__);
+    HK_CHECK(hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize,
+                                 smem_bytes));
+  }
   __atomic_fetch_or(&raised, bit, __ATOMIC_RELAXED);
   return 0;
 }

@@ -55,6 +55,8 @@ typedef cudaStream_t hipStream_t;
 #define hipGetDevice cudaGetDevice
 #define hipSetDevice cudaSetDevice
 #define hipFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
+#define hipFuncGetAttributes(attr, f) cudaFuncGetAttributes(attr, f)
+#define hipFuncAttributes cudaFuncAttributes
 #define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define hipOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define hipDeviceGetAttribute cudaDeviceGetAttribute
