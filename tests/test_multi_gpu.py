@@ -2,14 +2,20 @@
 often from one process. Inputs live on cuda:dev while the other GPU is current; the op must run on the inputs' GPU
 (its module, workspaces and split-K / routing counters per device), leave the caller's current device as it was,
 and give the same bits as on the other GPU (same model, deterministic kernels). Needs two GPUs; skipped otherwise."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
 import hipkern
 from hipkern.reference import moe_sorting_ref, paged_attention_ref
-from hipkern.testing import poison
+from hipkern.testing import checkAllclose, poison
 
-from moe_cases import graph_replay_with_new_routing, make_case
+from moe_cases import TOL as MOE_TOL
+from moe_cases import graph_replay_with_new_routing, make_case, reference, route_pairs_here
 from moe_cases import run_and_check as moe_run_and_check
 from pa_cases import check_out
 from pa_cases import make_case as make_pa_case
@@ -63,16 +69,18 @@ def test_routing_ops_on_the_other_gpu(dev):
         _same(hipkern.moe_sorting(io, 64, 16), sorted_ids, "moe_sorting")
 
 
-# (tokens, D, I, E, k, block_m, variant): the grouped chain routed in its blocks and through moe_sorting with a K
-# split (D 2048 at 129 tokens), the one-launch decode variant, the gemv variant
-MOE = [(129, 2048, 256, 16, 2, 64, "grouped"), (300, 256, 128, 8, 2, 16, "grouped"),
-       (4, 2048, 256, 64, 8, 32, "decode"), (2, 1024, 256, 64, 4, None, "gemv")]
+# (tokens, D, I, E, k, block_m, variant): the grouped chain routed in its GEMM blocks (200 pairs at block_m 32) and
+# after moe_sorting (258 and 600 pairs), the one-launch decode variant, the gemv variant
+MOE = [(100, 2048, 256, 16, 2, 32, "grouped"), (129, 2048, 256, 16, 2, 64, "grouped"),
+       (300, 256, 128, 8, 2, 16, "grouped"), (4, 2048, 256, 64, 8, 32, "decode"), (2, 1024, 256, 64, 4, None, "gemv")]
 
 
 @pytest.mark.parametrize("dev", [0, 1])
 @pytest.mark.parametrize("t,d,i,e,k,block_m,variant", MOE)
 def test_fused_moe_on_the_other_gpu(dev, t, d, i, e, k, block_m, variant):
     other = 1 - dev
+    if t * k <= 256 and variant == "grouped":  # the case meant to route in the GEMM blocks does, on cuda:dev
+        assert t * k <= _on(dev, route_pairs_here, torch.bfloat16, block_m), "no routing in the blocks here"
     case = _on(dev, make_case, t, d, i, e, k, torch.bfloat16, seed=t)
     with torch.cuda.device(other):
         out = moe_run_and_check(*case, block_m=block_m, variant=variant, msg=f"cuda:{dev} from cuda:{other} ")
@@ -104,21 +112,73 @@ def test_paged_attention_on_the_other_gpu(dev, lens, kv, group, head, variant):
 
 
 def test_calls_alternating_between_two_gpus():
-    """Calls with workspaces (split partials, K-split parts, routing counters) alternate between the GPUs, each
-    into a NaN-poisoned output; every one matches the same call on the other GPU bit for bit."""
+    """Calls with workspaces (split partials, routing counters) alternate between the GPUs, each into a
+    NaN-poisoned output, twice over: every one matches the reference, the same call on the other GPU bit for bit,
+    and its own first round (counters left as they were found)."""
     moe = [make_case(129, 2048, 256, 16, 2, torch.bfloat16, seed=s) for s in range(3)]
     pa = [make_pa_case([300, 2000, 1, 4096], num_kv_heads=2, group=8, seed=s) for s in range(3)]
     moe_1, pa_1 = [_to(1, c) for c in moe], [_to(1, c) for c in pa]
+    first = {}
     for rnd in range(2):
         for s in range(3):
             a = hipkern.fused_moe(*moe[s], block_m=64, out=poison(torch.empty_like(moe[s][0])))
             b = hipkern.fused_moe(*moe_1[s], block_m=64, out=poison(torch.empty_like(moe_1[s][0])))
             c = hipkern.paged_attention_decode(*pa[s], out=poison(torch.empty_like(pa[s][0])))
             d = hipkern.paged_attention_decode(*pa_1[s], out=poison(torch.empty_like(pa_1[s][0])))
-            assert torch.isfinite(a).all() and torch.isfinite(c).all(), f"round {rnd} case {s}: unwritten output"
+            assert checkAllclose(a, reference(*moe[s]), msg=f"fused_moe round {rnd} case {s} ",
+                                 **MOE_TOL[torch.bfloat16]) == 0
+            assert check_out(c, paged_attention_ref(*pa[s])[0], msg=f"paged attention round {rnd} case {s} ") == 0
             _same(b, a, f"fused_moe round {rnd} case {s}")
             _same(d, c, f"paged_attention_decode round {rnd} case {s}")
+            if rnd == 0:
+                first[s] = (a, c)
+            else:
+                _same((a, c), first[s], f"round 1 against round 0, case {s}")
     assert torch.cuda.current_device() == 0
+
+
+# Run in a process of its own, before anything has copied between the GPUs (a copy makes torch enable peer
+# access, after which a kernel launched on the wrong GPU could still reach the inputs): each op with its inputs on
+# cuda:1 while cuda:0 is current, against float64 / float32 references computed on the CPU.
+_FRESH = textwrap.dedent("""
+    import torch, hipkern
+    from hipkern.reference import fused_moe_ref, paged_attention_ref, topk_softmax_ref
+    torch.cuda.set_device(0)
+    g = torch.Generator(device="cuda:1").manual_seed(1)
+    x = torch.randn(33, 64, generator=g, device="cuda:1")
+    w, ids = hipkern.topk_softmax(x, 4)
+    rw, rids = topk_softmax_ref(x.cpu(), 4, True)
+    assert torch.equal(ids.cpu(), rids) and torch.allclose(w.cpu(), rw, atol=1e-5, rtol=1e-5), "topk_softmax"
+    t, d, i, e, k = 40, 256, 128, 8, 2
+    h = torch.randn(t, d, generator=g, device="cuda:1").bfloat16()
+    w1 = (torch.randn(e, 2 * i, d, generator=g, device="cuda:1") * d ** -0.5).bfloat16()
+    w2 = (torch.randn(e, d, i, generator=g, device="cuda:1") * i ** -0.5).bfloat16()
+    tw = torch.rand(t, k, generator=g, device="cuda:1") + 0.1
+    tid = torch.rand(t, e, generator=g, device="cuda:1").topk(k, dim=1).indices.int()
+    out = torch.full_like(h, float("nan"))
+    hipkern.fused_moe(h, w1, w2, tw, tid, out=out)
+    ref = fused_moe_ref(*(a.cpu() for a in (h, w1, w2, tw, tid)), "silu", None, torch.float64, torch.bfloat16)
+    assert torch.allclose(out.cpu().double(), ref.double(), atol=1e-2, rtol=1e-2), "fused_moe"
+    nb, bs = 300, 16
+    q = torch.randn(3, 8, 128, generator=g, device="cuda:1").bfloat16()
+    kc = torch.randn(nb, bs, 2, 128, generator=g, device="cuda:1").bfloat16()
+    vc = torch.randn(nb, bs, 2, 128, generator=g, device="cuda:1").bfloat16()
+    bt = torch.randperm(nb, generator=g, device="cuda:1")[:3 * 90].view(3, 90).int()
+    cl = torch.tensor([1400, 1, 700], dtype=torch.int32).to("cuda:1")
+    o = torch.full_like(q, float("nan"))
+    hipkern.paged_attention_decode(q, kc, vc, bt, cl, out=o)
+    ro, _ = paged_attention_ref(*(a.cpu() for a in (q, kc, vc, bt, cl)))
+    assert torch.allclose(o.cpu().float(), ro.float(), atol=2e-2, rtol=2e-2), "paged_attention_decode"
+    assert torch.cuda.current_device() == 0
+    print("fresh process: ok")
+""")
+
+
+def test_a_fresh_process_runs_each_op_on_its_inputs_gpu():
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=600, cwd=root,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0 and "fresh process: ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def test_graph_capture_on_the_second_gpu():

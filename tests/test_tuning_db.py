@@ -433,13 +433,16 @@ def _unwritable(kind, tmp_path):
         return tmp_path / "no" / "such" / "untuned.csv"
     if kind == "a folder":
         return tmp_path
+    if kind == "below a file":  # ENOTDIR, which root cannot write past either
+        (tmp_path / "file").write_text("x")
+        return tmp_path / "file" / "untuned.csv"
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
     return ro / "untuned.csv"
 
 
-@pytest.mark.parametrize("kind", ["missing folder", "a folder", "read-only folder"])
+@pytest.mark.parametrize("kind", ["missing folder", "a folder", "below a file", "read-only folder"])
 def test_an_untuned_log_that_cannot_be_written_never_fails_the_op(shipped, tmp_path, monkeypatch, kind):
     """HIPKERN_LOG_UNTUNED is diagnostics: a path it cannot write warns once (naming the variable, the path and
     the OS error) and every call returns the same choice; the first call of each shape raised before."""
@@ -461,8 +464,9 @@ def test_an_untuned_log_that_cannot_be_written_never_fails_the_op(shipped, tmp_p
         find(64, 2048)
     msgs = [str(w.message) for w in rec if "HIPKERN_LOG_UNTUNED" in str(w.message)]
     assert len(msgs) == 1, msgs
-    assert str(out) in msgs[0] and ("No such file" in msgs[0] or "Is a directory" in msgs[0]
-                                    or "Permission denied" in msgs[0])
+    why = {"missing folder": "No such file", "a folder": "Is a directory", "below a file": "Not a directory",
+           "read-only folder": "Permission denied"}[kind]
+    assert str(out) in msgs[0] and why in msgs[0], msgs[0]
     assert first == (fm.choose_variant(3, 2, torch.bfloat16, fm.default_block_m(3, 2, 8), 8, 4096, 14336),
                      fm.default_block_m(3, 2, 8))
 
