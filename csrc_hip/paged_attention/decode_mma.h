@@ -135,6 +135,10 @@ struct Cfg {
   static_assert(WM * WN == kWaves && kSlice % MT::K == 0 && kSTok % MT::N == 0 && kOCols % MT::N == 0,
                 "wave layout");
   static_assert(bytes <= 227 * 1024 - 1024, "fits an sm_90 block's shared memory with 1 KB of static");
+  // CDNA (no asynchronous copies; 64 KB of LDS a workgroup): every configuration the op may launch there fits
+  // with 1 KB of static. Head 256's 16- to 64-head blocks do not, and are refused before launch (runs_here in
+  // hipkern/ops/paged_attention.py); its small (v6) block does.
+  static_assert(kAsyncCopy || (D > 128 && !kSmall) || bytes <= 63 * 1024, "fits a CDNA workgroup's 64 KB of LDS");
   static_assert(!kWg || (kRows == 64 && kWaves == 8 && kQAt % 1024 == 0 && kPipeAt % 1024 == 0 &&
                          kStage % 1024 == 0 && (kBoxes || (kQ + kScratch) % 1024 == 0)),
                 "a warpgroup per token slice; 1024-byte aligned atoms");

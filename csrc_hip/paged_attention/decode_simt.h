@@ -32,6 +32,7 @@ struct Smem {  // floats; the merge area reuses the tile area once every wave is
   static constexpr int tile = q + p + off + v;
   static constexpr int merge = 2 * kWaves * HPB + kWaves * HPB * D;
   static constexpr int bytes = 4 * (tile > merge ? tile : merge);
+  static_assert(kAsyncCopy || bytes <= 63 * 1024, "CDNA: fits a workgroup's 64 KB of LDS with 1 KB of static");
 };
 
 // Blocks that must fit on one SM at once (CUDA): caps registers at 128 per thread for head <= 128
