@@ -11,6 +11,9 @@ from hipkern.ops._common import as_bool, as_float, as_int
 
 from moe_cases import make_case
 from pa_cases import make_case as make_pa_case
+from test_fused_moe_args import _cpu_case as moe_cpu_case
+from test_paged_attention_args import _call as pa_call
+from test_paged_attention_args import _cpu_case as pa_cpu_case
 
 
 def test_as_int_and_as_float_convert_numpy_scalars_only():
@@ -132,9 +135,7 @@ def test_numpy_scalars_under_torch_compile():
 
 
 def test_fused_moe_block_m_as_a_numpy_integer():
-    c = dict(hidden_states=torch.randn(4, 16, dtype=torch.bfloat16), w1=torch.randn(4, 16, 16, dtype=torch.bfloat16),
-             w2=torch.randn(4, 16, 8, dtype=torch.bfloat16), topk_weights=torch.rand(4, 2),
-             topk_ids=torch.zeros(4, 2, dtype=torch.int32))
+    c = moe_cpu_case()
     with pytest.raises(ValueError, match="must be on a GPU"):
         hipkern.fused_moe(**c, block_m=np.int64(16))
     with pytest.raises(ValueError, match=r"block_m must be one of .* got 24"):
@@ -154,16 +155,14 @@ def test_float_arguments_as_numpy_floats(kind):
         hipkern.grouped_topk(_logits(), None, 2, 4, 2, routed_scaling_factor=kind(2.5))
     with pytest.raises(ValueError, match="routed_scaling_factor must be a float finite"):
         hipkern.grouped_topk(_logits(), None, 2, 4, 2, routed_scaling_factor=kind("inf"))
-    q, kc, vc = (torch.randn(s, dtype=torch.bfloat16) for s in ((2, 8, 128), (10, 16, 2, 128), (10, 16, 2, 128)))
-    bt, cl = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="query must be on a GPU"):
-        hipkern.paged_attention_decode(q, kc, vc, bt, cl, scale=kind(0.1))
+        pa_call(pa_cpu_case(), scale=kind(0.1))
     with pytest.raises(ValueError, match="scale must be a float"):
-        hipkern.paged_attention_decode(q, kc, vc, bt, cl, scale=kind("nan"))
+        pa_call(pa_cpu_case(), scale=kind("nan"))
     with pytest.raises(ValueError, match="scale must be a float"):
-        hipkern.paged_attention_decode(q, kc, vc, bt, cl, scale=np.bool_(True))
+        pa_call(pa_cpu_case(), scale=np.bool_(True))
     with pytest.raises(ValueError, match="query must be on a GPU"):
-        hipkern.paged_attention_decode(q, kc, vc, bt, cl, return_lse=np.bool_(True))
+        pa_call(pa_cpu_case(), return_lse=np.bool_(True))
 
 
 # ------------------------------------------------------------------------------------------------ GPU

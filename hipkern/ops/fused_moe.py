@@ -53,6 +53,12 @@ def block_ms_for(dtype) -> tuple:
     return BLOCK_MS if dtype != torch.float32 else tuple(b for b in BLOCK_MS if b <= 64)
 
 
+def _row_elems(dtype) -> int:
+    """Elements of a 16-byte chunk of `dtype`: the kernels' rows come in such chunks, so model_dim and inter_dim
+    must be multiples of it."""
+    return 16 // dtype.itemsize
+
+
 def _row_problem(row: dict) -> str | None:
     """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a dtype it does
     not take, a size that is no positive integer as the op names it or off its 16-byte rows (such a row
@@ -63,7 +69,7 @@ def _row_problem(row: dict) -> str | None:
     why = tuning_db.positive_ints(row, ("model_dim", "inter_dim", "num_experts", "topk"))
     if why:
         return why
-    vec = 16 // dtype.itemsize  # _validate's 16-byte rows
+    vec = _row_elems(dtype)
     if int(row["model_dim"]) % vec or int(row["inter_dim"]) % vec:
         return f"model_dim {row['model_dim']} or inter_dim {row['inter_dim']} is no multiple of {vec} ({row['dtype']})"
     bm = row["params"].get("block_m")
@@ -200,7 +206,7 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
                          f"got {tuple(topk_ids.shape)}")
     topk = topk_ids.shape[1]
     check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, topk), gpu=False)
-    vec = 16 // hidden_states.element_size()
+    vec = _row_elems(hidden_states.dtype)
     if dim < 1:
         raise ValueError(f"hidden_states must have at least one column (model_dim), got shape {tuple(hidden_states.shape)}")
     if dim >= 2**31 or two_i >= 2**31:  # the kernels' int32 sizes and row indices (2 x inter_dim rows of w1)

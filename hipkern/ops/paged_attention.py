@@ -250,6 +250,11 @@ VARIANTS = {
 }
 
 
+def _block_size_ok(bs: int) -> bool:
+    """Whether the op takes caches of `bs` tokens a block: a power of two up to MAX_BLOCK_SIZE."""
+    return 1 <= bs <= MAX_BLOCK_SIZE and not bs & (bs - 1)
+
+
 def _row_problem(row: dict) -> str | None:
     """Why the op could not run a tuning-database row (tuning_db.Schema.check), or None: a shape the op does
     not take or names otherwise (dtype, layout, head size, block size, GQA group: such a row would never
@@ -266,7 +271,7 @@ def _row_problem(row: dict) -> str | None:
     d, bs, q, kv = (int(row[k]) for k in ("head_size", "block_size", "num_q_heads", "num_kv_heads"))
     if d not in HEAD_SIZES:
         return f"head_size {d} is not one of {HEAD_SIZES}"
-    if bs & (bs - 1) or bs > MAX_BLOCK_SIZE:
+    if not _block_size_ok(bs):
         return f"block_size {bs} is not a power of two up to {MAX_BLOCK_SIZE}"
     if q % kv or q // kv > MAX_GQA:
         return f"{q} query heads over {kv} KV heads is no GQA group the op takes"
@@ -341,7 +346,7 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         raise ValueError(f"query head size must be one of {HEAD_SIZES}, got {head_size}")
     if d != head_size:
         raise ValueError(f"key_cache head size {d} (layout {kv_layout}) differs from query's {head_size}")
-    if bs < 1 or bs & (bs - 1) or bs > MAX_BLOCK_SIZE:
+    if not _block_size_ok(bs):
         raise ValueError(f"key_cache block size must be a power of two up to {MAX_BLOCK_SIZE} (layout {kv_layout}), "
                          f"got {bs}")
     if num_q_heads < 1:
