@@ -8,9 +8,9 @@ import torch
 
 from .. import jit
 
-__all__ = ["lib", "impl_checked", "as_int", "as_float", "as_bool", "check_tensor", "check_device", "check_int",
-           "check_routing_out", "DTYPE_NAMES", "on_device", "raw_stream", "module_for", "module_override", "sm_count",
-           "gpu_name"]
+__all__ = ["lib", "impl_checked", "as_int", "as_float", "as_bool", "check_tensor", "check_device", "check_bool",
+           "check_int", "check_routing_out", "DTYPE_NAMES", "on_device", "raw_stream", "module_for", "module_override",
+           "sm_count", "gpu_name"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -129,6 +129,11 @@ def as_float(v):
 def as_bool(v):
     """A numpy bool as a Python bool; anything else as it is, for the checks to name."""
     return bool(v) if _numpy_kind(v) == "bool" else v
+
+
+def check_bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {type(v).__name__}")
 
 
 def check_int(name: str, v, lo: int, hi: int, why: str = "") -> None:

@@ -10,8 +10,8 @@ import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
-from ._common import (DTYPE_NAMES, as_bool, as_int, check_device, check_int, check_no_overlap, check_tensor, gpu_name,
-                      impl_checked, lib, module_for, on_device, raw_stream, sm_count)
+from ._common import (DTYPE_NAMES, as_bool, as_int, check_bool, check_device, check_int, check_no_overlap, check_tensor,
+                      gpu_name, impl_checked, lib, module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -458,9 +458,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
     and nothing syncs with the host (CUDA-graph capturable) unless validate=True.
     """
     allow_tf32, validate = as_bool(allow_tf32), as_bool(validate)
-    for name, v in (("allow_tf32", allow_tf32), ("validate", validate)):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {type(v).__name__}")
+    check_bool("allow_tf32", allow_tf32)
+    check_bool("validate", validate)
     block_m = as_int(block_m)
     _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out, variant)
     if validate:

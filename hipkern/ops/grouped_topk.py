@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, as_bool, as_float, as_int, check_device, check_int, check_routing_apart,
+from ._common import (DTYPE_NAMES, as_bool, as_float, as_int, check_bool, check_device, check_int, check_routing_apart,
                       check_routing_out, check_tensor, impl_checked, is_float32, lib, module_for, on_device, raw_stream)
 
 __all__ = ["grouped_topk", "GROUP_SCORINGS", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
@@ -64,8 +64,7 @@ def _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group
               f" (at most {MAX_TOPK} and at most the experts of the kept groups, {kept})")
     if not isinstance(scoring, str) or scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
-    if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    check_bool("renormalize", renormalize)
     if not is_float32(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor must be a float finite in float32 (the kernel's type), got "
                          f"{routed_scaling_factor!r}")

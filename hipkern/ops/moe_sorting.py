@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (as_bool, as_int, check_device, check_int, check_outputs_apart, check_tensor, impl_checked, lib,
-                      module_for, on_device, raw_stream)
+from ._common import (as_bool, as_int, check_bool, check_device, check_int, check_outputs_apart, check_tensor,
+                      impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -180,8 +180,7 @@ def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, exper
         (`out` itself when given.)
     """
     num_experts, block_m, validate = as_int(num_experts), as_int(block_m), as_bool(validate)
-    if not isinstance(validate, bool):
-        raise ValueError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
     _validate(topk_ids, num_experts, block_m, expert_map, out)
     if validate:
         _check_values(topk_ids, num_experts, expert_map)

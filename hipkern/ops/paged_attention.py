@@ -19,8 +19,8 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import (DTYPE_NAMES, as_bool, as_float, check_device, check_no_overlap, check_tensor, gpu_name,
-                      impl_checked, is_float32, lib, module_for, on_device, raw_stream, sm_count)
+from ._common import (DTYPE_NAMES, as_bool, as_float, check_bool, check_device, check_no_overlap, check_tensor,
+                      gpu_name, impl_checked, is_float32, lib, module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA", "MAX_BLOCK_SIZE"]
 
@@ -377,8 +377,7 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     if scale is not None and not (is_float32(scale) and is_float32(scale * math.log2(math.e))):
         raise ValueError(f"scale must be a float with scale * log2(e) finite in float32 (the kernels' type; "
                          f"|scale| < 2.3e38) or None, got {scale!r}")
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be None or one of {sorted(VARIANTS) + sorted(ALIASES)}, got {variant!r}")
     if variant is not None and query.shape[0] > VARIANTS[variant].max_seqs:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, as_bool, as_int, check_device, check_int, check_routing_apart, check_routing_out,
-                      check_tensor, impl_checked, lib, module_for, on_device, raw_stream)
+from ._common import (DTYPE_NAMES, as_bool, as_int, check_bool, check_device, check_int, check_routing_apart,
+                      check_routing_out, check_tensor, impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -34,8 +34,7 @@ def _validate(gating_logits, topk, renormalize, out=None) -> None:
         raise ValueError(f"gating_logits must have 1..{MAX_EXPERTS} experts (columns), got {num_experts}")
     check_int("topk", topk, 1, min(MAX_TOPK, num_experts),
               f" (at most {MAX_TOPK} and at most the number of experts, {num_experts})")
-    if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    check_bool("renormalize", renormalize)
     outs = check_routing_out(out, num_tokens, topk)
     check_tensor("gating_logits", gating_logits)
     if outs:
