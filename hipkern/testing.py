@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -202,14 +203,22 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
     copies = min(max_copies, max(1, math.ceil(target / max(nbytes, 1))))
     flush = on_gpu and copies * nbytes < target
     sets = [(args, kwargs)] + [_clone((args, kwargs)) for _ in range(copies - 1)]
+    # One running count over the warm-up, the dry pass and the timed pass, so that any two calls on the same
+    # copy are len(sets) - 1 calls apart, also across passes (restarting each pass at the first copy put a
+    # timed call right after the dry call on its copy when num_iters < copies: read from L2).
+    calls = itertools.count()
+
+    def next_set():
+        return sets[next(calls) % len(sets)]
+
     out = None
-    for i in range(num_warmup):
-        a, k = sets[i % len(sets)]
+    for _ in range(num_warmup):
+        a, k = next_set()
         out = func(*a, **k)
     if not on_gpu:
         times = []
-        for i in range(num_iters):
-            a, k = sets[i % len(sets)]
+        for _ in range(num_iters):
+            a, k = next_set()
             t0 = time.perf_counter()
             out = func(*a, **k)
             times.append((time.perf_counter() - t0) * 1e6)
@@ -224,7 +233,7 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
     def enqueue():
         nonlocal out
         for i in range(num_iters):
-            a, k = sets[i % len(sets)]
+            a, k = next_set()
             if flush:
                 scratch.sum()
             starts[i].record()

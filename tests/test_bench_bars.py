@@ -4,9 +4,10 @@ import pytest
 from hipkern.bench import bars
 
 
-def _pa(b, ctx, hq, hkv, d, us, mb, sdpa=1e9, floor=1.0):
+def _pa(b, ctx, hq, hkv, d, us, mb, sdpa=1e9, floor=1.0, moved=None, check="passed"):
+    moved = mb if moved is None else moved  # all bytes moved (K, V, Q, O); mb: the KV alone
     return dict(BatchSize=b, ContextLen=ctx, NumQHeads=hq, NumKVHeads=hkv, HeadSize=d, Custom_Time_us=us, KV_MB=mb,
-                TBps=mb / us, SDPA_contiguous_us=sdpa, Floor_us=floor)
+                Bytes_MB=moved, TBps=moved / us, SDPA_contiguous_us=sdpa, Floor_us=floor, Check=check)
 
 
 def _verdicts(lines, key):
@@ -42,7 +43,25 @@ def test_pa_mixed_lengths_share_of_copy_and_its_size_bar():
     big = _pa(32, "mixed<= 4096", 32, 8, 128, 100.0, 270.0)  # 2.7 TB/s on 270 MB: 90 % of copy, under 2.8
     lines = bars.paged_attention([big])
     assert _verdicts(lines, "mixed lengths") == ["met", "NOT met"]
-    assert ">= 2.8 TB/s" in lines[1] and "(270 MB)" in lines[1]
+    assert ">= 2.8 TB/s" in lines[1] and "(270 MB of KV)" in lines[1]
+
+
+def test_pa_size_classes_go_by_the_kv_alone():
+    """254 MB of KV plus 3 MB of Q and O is a 64-256 MB shape (2.4 TB/s), judged at its rate over all 257 MB."""
+    lines = bars.paged_attention([_pa(64, 4096, 32, 8, 128, 100.0, 254.0, moved=257.0)])
+    assert lines == ["[bar] 64 x 4096 x 32/8 heads x 128 (254 MB of KV): 2.570 TB/s, bar >= 2.4 TB/s: met "
+                     "(bar 107.08 us = 107.083x the read floor 1.00 us)"]
+
+
+def test_a_row_whose_check_failed_meets_no_bar():
+    rows = [_pa(1, 256, 64, 8, 128, 5.0, 300.0, sdpa=20.0, check="FAILED")]
+    lines = bars.paged_attention(rows)
+    assert len(lines) == 3 and all("NOT met (its output FAILED the check)" in line for line in lines)
+    u = _moe("bfloat16", 1, 7168, 256, 256, 8, "uniform", 10.0, 88.0, check="FAILED")
+    lines = bars.moe([u, _moe("bfloat16", 1, 7168, 256, 256, 8, "skewed", 10.0, 88.0)])
+    assert len(lines) == 5 and all("NOT met (its output FAILED the check)" in line for line in lines[:2])
+    assert "NOT met (its output FAILED the check)" in lines[4]  # the skew bar: its uniform row failed
+    assert _verdicts(lines[2:4], "skewed") == ["met", "met"]
 
 
 def test_pa_no_shape_slower_than_10_us_in_both_readings():
@@ -52,9 +71,11 @@ def test_pa_no_shape_slower_than_10_us_in_both_readings():
             _pa(32, 256, 64, 8, 128, 18.0, 33.0, floor=14.0), _pa(8, 2048, 64, 1, 256, 19.0, 17.0, floor=11.0)]
     lines = bars.paged_attention(rows)
     assert _verdicts(lines, "the smallest") == ["met"]
-    # 1 x 256: judged once, as the smallest; 32 x 256 and 8 x 2048: floors of 14 and 11 us, no bar
-    assert _verdicts(lines, "stricter reading") == ["NOT met"]
-    assert "8 x 256" in [line for line in lines if "stricter" in line][0]
+    # 1 x 256: judged once, as the smallest; 32 x 256 and 8 x 2048: floors of 14 and 11 us, exempt
+    strict = [line for line in lines if "stricter reading" in line]
+    assert _verdicts(strict, "") == ["NOT met", "exempt, its read floor 14.00 us is over 10 us",
+                                     "exempt, its read floor 11.00 us is over 10 us"]
+    assert "8 x 256" in strict[0] and "32 x 256" in strict[1] and "8 x 2048" in strict[2]
 
 
 def test_the_report_says_when_the_run_is_not_on_an_h100():
@@ -67,9 +88,9 @@ def test_the_report_says_when_the_run_is_not_on_an_h100():
     assert len(bars.device_lines("NVIDIA H200", "sm_80", "sm_90")) == 2
 
 
-def _moe(dtype, tokens, d, i, e, k, routing, us, mb, weight_mb=None, floor=1.0):
+def _moe(dtype, tokens, d, i, e, k, routing, us, mb, weight_mb=None, floor=1.0, check="passed"):
     return dict(dtype=dtype, tokens=tokens, model_dim=d, inter_dim=i, E=e, topk=k, routing=routing, custom_us=us,
-                TBps=mb / us, weight_MB=mb if weight_mb is None else weight_mb, floor_us=floor)
+                TBps=mb / us, weight_MB=mb if weight_mb is None else weight_mb, floor_us=floor, check=check)
 
 
 def test_moe_skew_against_its_uniform_counterpart():
@@ -106,8 +127,9 @@ def test_moe_uniform_bars_and_the_one_token_bar():
     rows = [_moe("bfloat16", 32, 8192, 6144, 8, 2, "uniform", 1000.0, 2810.0, weight_mb=2790.0),  # > 1 GB: 2.8
             _moe("bfloat16", 32, 7168, 256, 256, 8, "uniform", 375.0, 910.0, weight_mb=900.0),  # <= 1 GB: 2.4
             _moe("bfloat16", 1, 7168, 256, 256, 8, "uniform", 39.0, 88.0),  # 2.26 TB/s, 39 us
-            _moe("float32", 128, 8192, 6144, 8, 2, "uniform", 2000.0, 2400.0),  # 1.3 x 1.6 ms = 2080 us
-            _moe("float32", 128, 8192, 16384, 8, 2, "uniform", 5700.0, 6400.0),  # 1.3 x 4.3 ms = 5590 us
+            # 8 experts' fp32 weights, 4831.8 / 12884.9 MB: 1.3 x 1610.6 us = 2093.8 us, 1.3 x 4295.0 = 5583.5
+            _moe("float32", 128, 8192, 6144, 8, 2, "uniform", 2000.0, 4831.8),
+            _moe("float32", 128, 8192, 16384, 8, 2, "uniform", 5700.0, 12884.9),
             _moe("bfloat16", 64, 4096, 14336, 8, 2, "uniform", 100.0, 10.0)]  # Mixtral 8x7B: no bar
     lines = bars.moe(rows)
     assert len(lines) == 6
@@ -152,3 +174,30 @@ def test_bench_cli_refuses_block_m_128_where_the_cases_include_float32(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and "--block-m 128 takes --dtype bf16" in capsys.readouterr().err
+
+
+def test_moe_fp32_128_token_floors_are_the_larger_of_weights_and_arithmetic():
+    """The issue's floors for the fp32 Mixtral-like 128-token shapes: the weights at 3.0 TB/s (uniform: 1.6 /
+    4.3 ms) or the arithmetic at 52 TFLOP/s (1.5 / 4.0 ms), the larger. Skewed routing reads 2 experts' weights
+    (0.4 ms at I 6144), so its bar is 1.3x its arithmetic (1486.8 us): 1932.9 us."""
+    u = _moe("float32", 128, 8192, 6144, 8, 2, "uniform", 1700.0, 4831.8)
+    sk = _moe("float32", 128, 8192, 6144, 8, 2, "skewed", 2050.0, 1207.96)
+    assert bars.moe_arithmetic_us(u) == pytest.approx(1486.8, abs=0.1)
+    lines = bars.moe([u, sk])
+    assert "<= 2094 us (1.3x the larger floor: weights 1611 us, arithmetic 1487 us)" in lines[0]
+    assert "<= 1933 us (1.3x the larger floor: weights 403 us, arithmetic 1487 us)" in lines[1]
+    assert _verdicts(lines[:2], "") == ["met", "NOT met"]
+    # the skew bar: 0.589 / 2.842 TB/s = 0.207; the arithmetic alone allows 1207.96 MB / 1486.8 us = 0.812 TB/s,
+    # 0.286 of uniform's
+    assert "0.207 of uniform's TB/s (2050.0 us), bar >= 1/1.1 = 0.909 (2.584 TB/s): NOT met" in lines[2]
+    assert lines[2].endswith(" [out of reach at 52 TFLOP/s: its arithmetic alone allows at most 0.286 of uniform's "
+                             "TB/s]")
+
+
+def test_moe_skew_reach_note_only_where_the_arithmetic_rules_the_bar_out():
+    """bf16 skew lines carry no such note, nor fp32 ones whose arithmetic leaves the bar reachable."""
+    rows = [_moe("float32", 32, 7168, 256, 256, 8, "uniform", 300.0, 800.0),
+            _moe("float32", 32, 7168, 256, 256, 8, "skewed", 80.0, 176.2),
+            _moe("bfloat16", 128, 8192, 6144, 8, 2, "uniform", 1000.0, 2415.9),
+            _moe("bfloat16", 128, 8192, 6144, 8, 2, "skewed", 1000.0, 604.0)]
+    assert not any("out of reach" in line for line in bars.moe(rows))

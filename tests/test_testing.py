@@ -270,6 +270,31 @@ def test_run_perftest_rotates_over_clones(rotate_bytes, max_copies, buffers):
     assert all(torch.equal(t, x) for t in seen)
 
 
+def _copy_order(seen, x):
+    """Each call's copy as an index in order of first use (0: x itself)."""
+    first = {}
+    return [first.setdefault(t.data_ptr(), len(first)) for t in seen]
+
+
+def test_run_perftest_cycles_over_the_copies_across_warm_up_and_timing():
+    """Warm-up and timed calls take the copies in one cycle: a copy comes back only after every other one."""
+    f, seen = _recorder()
+    x = torch.randn(1024)  # 4096 bytes: 4 copies for 16 KiB
+    run_perftest(f, x, num_iters=6, num_warmup=3, rotate_bytes=4 * 4096)
+    assert _copy_order(seen, x) == [i % 4 for i in range(9)]
+
+
+@pytest.mark.gpu
+def test_run_perftest_cycles_over_the_copies_across_its_passes_on_a_gpu():
+    """On a GPU the calls run in three passes (warm-up, a dry pass that times the host, the timed pass). With
+    fewer timed calls than copies, each pass used to start over at the first copy, so a timed call read the
+    copy its dry twin had just left in L2; one cycle over all passes keeps every reuse len(copies) calls apart."""
+    f, seen = _recorder()
+    x = torch.randn(1024, device="cuda")
+    run_perftest(f, x, num_iters=3, num_warmup=2, rotate_bytes=16 * 4096)
+    assert _copy_order(seen, x) == list(range(2 + 3 + 3))  # 16 copies: none used twice
+
+
 @pytest.mark.gpu
 def test_run_perftest_times_the_device_not_the_host():
     """The stream is held while the host enqueues, so each call's events bracket its kernel alone: a call

@@ -5,17 +5,18 @@ Naive: fused_moe_ref in the input dtype, a per-expert torch loop over the expert
 tokens (gather, two matmuls, act, index_add_), as in the reference log; it finds those experts on
 the host, so its time includes that wait and its launches (host-bound). Custom: hipkern.fused_moe
 into a preallocated out=, everything the op does (moe_sorting, both grouped GEMMs, the combine).
-Graph: the same calls back to back in one CUDA graph (run_graphtest; one call per routing of the
-cycle, at least 8), as serving engines replay decode steps: no event or launch gap between calls, so
-it shows the kernels' own time without their launch latency (the issue's bars are read from Custom).
+Graph: the same calls back to back in one CUDA graph (run_graphtest; whole cycles over the routings, at
+least 8 calls), as serving engines replay decode steps: no event or launch gap between calls, so it shows
+the kernels' own time without their launch latency (the issue's bars are read from Custom).
 Check: custom against the float64 reference (act(gate) * up rounded to bf16 for bf16, as the op
 does), the tests' tolerances. Speedup: (naive / custom - 1) * 100, as in the log.
 
-Floor: a plain read of the row's bytes in the same harness (bench.floor.read_floor_us), the least any
-kernel that reads them takes there.
+Floor: a plain read of the bytes a call moves (each distinct activated expert's w1 + w2 once, plus the hidden
+states in and the output out) in the same harness (bench.floor.read_floor_us), the least any kernel that reads
+them takes there.
 
-Bytes: each distinct activated expert's w1 + w2 once, plus the hidden states in and the output out;
-TB/s against the H100's 3.0 TB/s copy bandwidth.
+TB/s (TBps, graph_TBps): over the activated experts' weights alone (weight_MB: each distinct activated expert's
+w1 + w2, once), as the issue counts them, against the H100's 3.0 TB/s copy bandwidth.
 
 L2: the weights are never copied. When one call's activated weights exceed 2x L2 (about 100 MB on
 the H100: every Mixtral / E=8 case, and the E=256 cases from a few tokens on) consecutive calls cannot
@@ -189,14 +190,15 @@ def timed(fn, sets, iters: int, warmup: int) -> float:
 
 
 def graph_timed(fn, sets, iters: int) -> float:
-    """Median device us per call of fn over `sets` replayed as one CUDA graph of max(GRAPH_CALLS,
-    len(sets)) calls cycling over them (the Graph column; see the module doc)."""
+    """Median device us per call of fn over `sets` replayed as one CUDA graph cycling over them, of the
+    fewest whole cycles that make at least GRAPH_CALLS calls, so that replays continue the cycle and a routing
+    comes back only after every other one (the Graph column; see the module doc)."""
     calls = itertools.count()
 
     def step():
         return fn(*sets[next(calls) % len(sets)])
 
-    _, us = run_graphtest(step, num_iters=iters, max_copies=max(GRAPH_CALLS, len(sets)))
+    _, us = run_graphtest(step, num_iters=iters, max_copies=len(sets) * math.ceil(GRAPH_CALLS / len(sets)))
     return us
 
 
@@ -246,18 +248,19 @@ def bench_case(c: Case, table: BenchTable, cache: WeightCache, iters: int, naive
     max_err = float((got.double() - ref).abs().max()) if ref.numel() else 0.0
     del ref
 
-    nbytes = weight_bytes + 2 * x.numel() * x.element_size()
-    tbps = nbytes / custom_us / 1e6
+    nbytes = weight_bytes + 2 * x.numel() * x.element_size()  # what the call moves: the floor reads all of it
+    tbps = weight_bytes / custom_us / 1e6  # the issue's rate: over the activated experts' weights alone
     floor_us = read_floor_us(nbytes, num_iters=iters)
-    print(f"[perf] custom moe bandwidth: {tbps:.3f} TB/s over {nbytes / 1e6:.1f} MB (activated experts' w1+w2 "
-          f"{weight_bytes / 1e6:.1f} MB, each once, + hidden in/out), {100 * tbps / COPY_BW_TBPS:.1f}% of "
-          f"{COPY_BW_TBPS:.1f} TB/s" + (f"; timed over {len(sets)} routings" if len(sets) > 1 else ""), flush=True)
+    print(f"[perf] custom moe bandwidth: {tbps:.3f} TB/s over the activated experts' w1+w2, "
+          f"{weight_bytes / 1e6:.1f} MB, each once (the hidden states in and out, {(nbytes - weight_bytes) / 1e6:.1f} "
+          f"MB, not counted), {100 * tbps / COPY_BW_TBPS:.1f}% of {COPY_BW_TBPS:.1f} TB/s"
+          + (f"; timed over {len(sets)} routings" if len(sets) > 1 else ""), flush=True)
     print(f"[perf] read floor: {floor_us:.2f} us (a plain read of those bytes in this harness; custom / floor "
           f"{custom_us / floor_us:.3f})", flush=True)
     table.add(dtype=DTYPE_NAMES[c.dtype], tokens=c.tokens, model_dim=c.model_dim, inter_dim=c.inter_dim,
               E=c.experts, topk=c.topk, routing=c.routing, naive_us=naive_us, custom_us=custom_us,
               floor_us=floor_us, speedup_pct=speedup, weight_MB=weight_bytes / 1e6, TBps=tbps,
-              pct_of_copy_bw=100 * tbps / COPY_BW_TBPS, graph_us=graph_us, graph_TBps=nbytes / graph_us / 1e6,
+              pct_of_copy_bw=100 * tbps / COPY_BW_TBPS, graph_us=graph_us, graph_TBps=weight_bytes / graph_us / 1e6,
               config=launch_config(c, block_m),
               max_err=f"{max_err:.3g}", check="passed" if err == 0 else "FAILED")
     return err != 0

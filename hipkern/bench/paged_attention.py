@@ -3,13 +3,15 @@
 Naive: a per-sequence torch loop (gather, matmuls in bf16), as in the reference log; it reads the
 context lengths back to the host, so its time includes that wait and its launches (host-bound). SDPA gather:
 gather the paged K/V into contiguous tensors, then scaled_dot_product_attention(enable_gqa=True).
-SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes: the K/V rows actually
-read (each once), plus Q and O. Custom_Time_us: variant=None (the tuning database's choice, Variant, with
-its parameters); it and the per-variant columns (defaults): run_perftest (events
-around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the calls back to back in
-CUDA graphs over rotated inputs, as serving engines run decode and as the issue's peer figures were
-taken). Floor_us: a plain read of the row's bytes in run_perftest (bench.floor.read_floor_us), the least
-any kernel reading them takes in this harness.
+SDPA contiguous: SDPA alone over K/V already contiguous (no paging). Bytes_MB: the K/V rows actually read
+(each once), plus Q and O, over which TBps is taken; KV_MB: the K/V part alone (the bars' size classes). For
+the mixed-length batch both SDPA baselines run on K/V padded to the longest length, with a mask (SDPA has no
+per-sequence lengths), so they read more than Bytes_MB (the run prints how much). Custom_Time_us:
+variant=None (the tuning database's choice, Variant, with its parameters); it and the per-variant columns
+(defaults): run_perftest (events around each call); Graph_us / SDPA_contiguous_graph_us: run_graphtest (the
+calls back to back in CUDA graphs over rotated inputs, as serving engines run decode and as the issue's peer
+figures were taken). Floor_us: a plain read of the row's bytes in run_perftest (bench.floor.read_floor_us),
+the least any kernel reading them takes in this harness.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ REFERENCE_GRID = [(b, c, hq, hkv, d) for hq, hkv, d in ((64, 1, 256), (64, 8, 12
                   for b in (1, 8, 16, 32) for c in (256, 2048)]
 LARGE_GRID = [(b, c, 32, 8, 128) for b in (64, 128) for c in (4096, 16384, 32768)]
 COLUMNS = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
-           "Speedup", "Variant", "Floor_us", "KV_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us", "SDPA_contiguous_us",
-           "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
+           "Speedup", "Variant", "Floor_us", "KV_MB", "Bytes_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us",
+           "SDPA_contiguous_us", "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
            *[f"{v}_us" for v in VARIANTS], "Check"]
 
 
@@ -71,7 +73,12 @@ def sdpa_gather(q, k, v, bt, n, mask):
 def bytes_moved(lens, num_kv_heads: int, num_q_heads: int, head_size: int, itemsize: int) -> int:
     """What a decode call must move: each sequence's K and V rows up to its own length (each once, no
     padding of its last block, nothing past it), plus the query and the output rows."""
-    return (sum(lens) * num_kv_heads * head_size * 2 + 2 * len(lens) * num_q_heads * head_size) * itemsize
+    return kv_bytes_read(lens, num_kv_heads, head_size, itemsize) + 2 * len(lens) * num_q_heads * head_size * itemsize
+
+
+def kv_bytes_read(lens, num_kv_heads: int, head_size: int, itemsize: int) -> int:
+    """The K and V part of bytes_moved: each sequence's rows up to its own length, each once."""
+    return sum(lens) * num_kv_heads * head_size * 2 * itemsize
 
 
 def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
@@ -104,12 +111,16 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     _, contig_graph_us = run_graphtest(sdpa, q, kk, vv, mask, num_iters=max(3, iters // 5))
     del kk, vv
     nbytes = bytes_moved(lens, hkv, hq, d, q.element_size())
+    kv_bytes = kv_bytes_read(lens, hkv, d, q.element_size())
+    if mask is not None:
+        print(f"# {name}: both SDPA baselines read K/V padded to {n} tokens a sequence "
+              f"({len(lens) * n / sum(lens):.2f}x the {sum(lens)} tokens of the batch), masked", flush=True)
     us = custom_us
     tbps = nbytes / us / 1e6
     floor_us = read_floor_us(nbytes, num_iters=iters)
     table.add(BatchSize=len(lens), ContextLen=n if name != "mixed" else f"mixed<= {n}", NumQHeads=hq,
               NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us, Custom_Time_us=us, Speedup=naive_us / us,
-              Variant=chosen, Floor_us=floor_us, KV_MB=nbytes / 1e6, TBps=tbps,
+              Variant=chosen, Floor_us=floor_us, KV_MB=kv_bytes / 1e6, Bytes_MB=nbytes / 1e6, TBps=tbps,
               Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
               SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Graph_us=graph_us,
               Graph_TBps=nbytes / graph_us / 1e6, SDPA_contiguous_graph_us=contig_graph_us,
