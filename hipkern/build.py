@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from . import jit
 from .jit.toolchain import local_bytes
@@ -47,8 +47,15 @@ def main(argv=None) -> int:
     failures = 0
     for arch in archs:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            futures = [(s, pool.submit(jit.build, s, arch, args.force)) for s in specs]
+        pool = ThreadPoolExecutor(max(1, args.jobs))
+        futures = [(s, pool.submit(jit.build, s, arch, args.force)) for s in specs]
+        try:
+            wait([f for _, f in futures])
+        except KeyboardInterrupt:  # Ctrl-C: no queued module starts (the running compilers got the signal too)
+            pool.shutdown(wait=False, cancel_futures=True)
+            print("python -m hipkern.build: interrupted", file=sys.stderr)
+            return 130
+        pool.shutdown()
         print(f"== {arch}: {len(specs)} modules ==")
         for spec, fut in futures:
             try:

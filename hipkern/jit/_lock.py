@@ -17,20 +17,34 @@ _thread_locks: dict = {}
 _guard = threading.Lock()
 
 
+# A wait longer than this is said once on stderr (a warning: hipkern installs no log handler, so the
+# logging module's last-resort handler prints it), naming the process it waits for.
+TELL_AFTER_S = 5.0
+
+
 @contextlib.contextmanager
 def file_lock(path, what: str):
+    """Hold `path` flock'ed; one HIPKERN_JIT_LOCK_TIMEOUT for the whole wait, the other threads' turns included."""
+    timeout = _timeout()
+    deadline = time.monotonic() + timeout
     with _guard:
         tlock = _thread_locks.setdefault(str(path), threading.Lock())
-    with tlock:  # flock is per open file, so threads of this process queue here first
+    # flock is per open file, so threads of this process queue here first
+    if not tlock.acquire(timeout=-1 if timeout >= threading.TIMEOUT_MAX else timeout):
+        raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}), held by another "
+                       "thread of this process (HIPKERN_JIT_LOCK_TIMEOUT)")
+    try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            _acquire(fd, path, what)
+            _acquire(fd, path, what, timeout, deadline)
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+    finally:
+        tlock.release()
 
 
 def _timeout() -> float:
@@ -46,8 +60,7 @@ def _timeout() -> float:
     return timeout
 
 
-def _acquire(fd, path, what):
-    timeout = _timeout()
+def _acquire(fd, path, what, timeout: float, deadline: float):
     start = time.monotonic()
     told = False
     while True:
@@ -55,11 +68,13 @@ def _acquire(fd, path, what):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if not told:
+            now = time.monotonic()
+            if not told and now - start >= TELL_AFTER_S:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                log.info("waiting for process %s, which is %s", holder, what)
+                log.warning("hipkern: waiting for process %s, which is %s (lock %s; at most %.0f s, "
+                            "HIPKERN_JIT_LOCK_TIMEOUT)", holder, what, path, timeout)
                 told = True
-            if time.monotonic() - start > timeout:
+            if now > deadline:
                 raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}) "
                                f"(HIPKERN_JIT_LOCK_TIMEOUT)") from None
             time.sleep(0.05)

@@ -1,6 +1,7 @@
 """Where the kernel sources and the JIT cache live."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -16,15 +17,22 @@ def csrc_root() -> Path:
     raise JitError(f"hipkern's HIP sources are missing (looked in {pkg / '_csrc'} and {pkg.parent / 'csrc_hip'})")
 
 
+@functools.lru_cache(maxsize=None)
+def _env_root(env: str) -> Path:
+    """HIPKERN_JIT_DIR's directory: ``~`` expanded, a relative path taken from the directory the process was in at
+    its first use (a later chdir does not start a second cache)."""
+    return Path(env).expanduser().absolute()
+
+
 def cache_root() -> Path:
-    """HIPKERN_JIT_DIR, else $XDG_CACHE_HOME/hipkern/jit (default ~/.cache/hipkern/jit).
+    """HIPKERN_JIT_DIR (``~`` expanded, made absolute), else $XDG_CACHE_HOME/hipkern/jit (default ~/.cache/hipkern/jit).
 
     Created 0700. It must belong to this user and be writable by no one else: modules are loaded
     from it, so a directory others can write is refused rather than used.
     """
     env = os.environ.get("HIPKERN_JIT_DIR")
     if env:
-        root = Path(env)
+        root = _env_root(env)
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = Path(base) / "hipkern" / "jit"

@@ -32,7 +32,7 @@ from ._lock import file_lock
 from ._paths import cache_root
 from .modules import ModuleSpec
 from .platform import JitError, check_arch, current_arch, platform_of
-from .toolchain import find_toolchain, parse_resources
+from .toolchain import find_toolchain, parse_resources, supported_wave
 
 __all__ = ["Module", "BuildResult", "build", "load", "module_key"]
 
@@ -59,7 +59,10 @@ class BuildResult:
 
 
 def _source_files(spec: ModuleSpec) -> list[Path]:
-    files = sorted(p for p in spec.include_dir.rglob("*") if p.is_file())
+    """What the key hashes: the shared headers, module_api.hip, the sources, and the headers beside and below them.
+    (Every file these #include is among them: tests/test_jit.py resolves each quoted include to check. Headers
+    only: an editor's swap or backup file beside a header changes no key.)"""
+    files = sorted(p for p in spec.include_dir.rglob("*") if p.is_file() and p.suffix in HEADER_SUFFIXES)
     files.append(spec.root / "common" / "module_api.hip")
     files += [spec.root / s for s in spec.sources]
     for d in sorted({(spec.root / s).parent for s in spec.sources}):  # headers beside the sources, and below
@@ -111,19 +114,23 @@ def _compile(spec: ModuleSpec, arch: str, toolchain, final_dir: Path, key: str) 
 def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_dir: Path, key: str) -> float:
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")  # (any bytes in a message)
     except OSError as e:
         raise JitError(f"could not run the compiler {cmd[0]}: {e}") from e
     seconds = time.perf_counter() - t0
     log_text = "$ " + " ".join(map(str, cmd)) + "\n" + proc.stdout + proc.stderr
     if proc.returncode != 0:
         failed = final_dir.with_name(f"{final_dir.name}.failed.log")
-        failed.write_text(log_text)
+        try:
+            failed.write_text(log_text)
+            where = f"full log: {failed}"
+        except OSError as e:  # (a full disk): the compiler's message below is what matters
+            where = f"the full log could not be saved ({e})"
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         # The first errors (the cause; later ones often follow from it) and the end (the summary).
         shown = lines if len(lines) <= 40 else lines[:25] + [f"... ({len(lines) - 40} lines) ..."] + lines[-15:]
         raise JitError(f"building module {spec.name} for {arch} failed (exit {proc.returncode}); "
-                       f"full log: {failed}\n$ {' '.join(map(str, cmd))}\n" + "\n".join(shown))
+                       f"{where}\n$ {' '.join(map(str, cmd))}\n" + "\n".join(shown))
     # The key hashed the sources before the compiler read them: had one changed meanwhile (a checkout, an
     # editor's save), this module could be of the new text under the old text's key.
     if module_key(spec, arch, toolchain) != key:
@@ -147,9 +154,10 @@ def _compile_in(spec: ModuleSpec, arch: str, toolchain, cmd, tmp: Path, final_di
 def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> BuildResult:
     """Make sure `spec` is built for `arch` (default: the current GPU's); build it if needed."""
     arch = check_arch(arch) if arch else current_arch()
+    if platform_of(arch) == "rocm":
+        supported_wave(arch)  # (before looking for device libraries that would serve an arch hipkern refuses)
     root = cache_root()
     arch_dir = root / arch
-    arch_dir.mkdir(mode=0o700, exist_ok=True)
     toolchain = find_toolchain(arch, root)
     key = module_key(spec, arch, toolchain)
     final_dir = arch_dir / f"{spec.name}-{key}"
@@ -159,14 +167,19 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
     if so.is_file() and not want_rebuild:
         return BuildResult(spec, arch, so, False, time.perf_counter() - t0, _resources(final_dir))
     seconds = None  # compile time when this call built it
-    with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"building {spec.name} for {arch}"):
-        if want_rebuild or not so.is_file():  # another process may have built it while we waited
-            # Under the lock no live process builds this module: a temporary folder of it is a killed build's.
-            for stale in arch_dir.glob(f".tmp-{final_dir.name}-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            log.info("building module %s for %s", spec.name, arch)
-            seconds = _compile(spec, arch, toolchain, final_dir, key)
-            _rebuilt.add((spec.name, arch))
+    try:
+        arch_dir.mkdir(mode=0o700, exist_ok=True)
+        with file_lock(arch_dir / f"{spec.name}-{key}.lock", f"building {spec.name} for {arch}"):
+            if want_rebuild or not so.is_file():  # another process may have built it while we waited
+                # Under the lock no live process builds this module: a temporary folder of it is a killed build's.
+                for stale in arch_dir.glob(f".tmp-{final_dir.name}-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                log.info("building module %s for %s", spec.name, arch)
+                seconds = _compile(spec, arch, toolchain, final_dir, key)
+                _rebuilt.add((spec.name, arch))
+    except OSError as e:  # a full or read-only cache: the cache, not the module, is at fault
+        raise JitError(f"building module {spec.name} for {arch}: the JIT cache {arch_dir} cannot be written ({e}); "
+                       "free space there, or set HIPKERN_JIT_DIR to a writable private directory") from e
     built = seconds is not None
     return BuildResult(spec, arch, so, built, seconds if built else time.perf_counter() - t0, _resources(final_dir))
 

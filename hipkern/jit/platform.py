@@ -27,7 +27,10 @@ _SAME_AS = {"sm_90a": "sm_90"}
 
 
 def check_arch(arch: str) -> str:
-    """`arch` if it names a GPU architecture (its canonical name: sm_90a is sm_90), else a JitError."""
+    """`arch` if it names a GPU architecture (its canonical name: sm_90a is sm_90; gfx942:sramecc+:xnack-, as ROCm
+    tools print it, is gfx942: modules are built for any feature setting), else a JitError."""
+    if isinstance(arch, str) and arch.startswith("gfx"):
+        arch = arch.split(":")[0]
     if not isinstance(arch, str) or not _ARCH_RE.match(arch):
         raise JitError(f"arch {arch!r} is not a GPU architecture name such as 'gfx942' or 'sm_90'")
     return _SAME_AS.get(arch, arch)

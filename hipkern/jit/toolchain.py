@@ -36,9 +36,8 @@ class Toolchain:
     extra_tools: tuple = ()
 
     def command(self, arch: str, sources, out: str, include_dirs, defines: dict) -> list[str]:
-        if self.platform == "rocm" and wave_size_of(arch) != 64:
-            raise JitError(f"arch {arch} has 32-lane waves (RDNA): hipkern's HIP kernels are written for CDNA's "
-                           "64-lane waves and MFMA matrix cores (gfx942, MI300); RDNA is not supported")
+        if self.platform == "rocm":
+            supported_wave(arch)
         d = [f"-D{k}={v}" for k, v in sorted(defines.items())] + [f"-DHK_WAVE_SIZE={wave_size_of(arch)}"]
         inc = [f"-I{p}" for p in include_dirs]
         if self.platform == "cuda":
@@ -68,6 +67,13 @@ class Toolchain:
         return cmd + ["-lamdhip64"]
 
 
+def supported_wave(arch: str) -> None:
+    """A JitError for ROCm archs with 32-lane waves (RDNA)."""
+    if wave_size_of(arch) != 64:
+        raise JitError(f"arch {arch} has 32-lane waves (RDNA): hipkern's HIP kernels are written for CDNA's "
+                       "64-lane waves and MFMA matrix cores (gfx942, MI300); RDNA is not supported")
+
+
 _versions: dict = {}  # realpath -> `--version`, asked once per process
 
 
@@ -80,10 +86,14 @@ def _version(compiler: str) -> str:
     if known is not None:
         return known
     try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
-    except OSError as e:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace", timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
         raise JitError(f"compiler {compiler} does not run: {e}") from e
     version = " | ".join(line.strip() for line in out.stdout.splitlines() if line.strip())[:400]
+    if out.returncode != 0 or not version:  # its version is part of every module's key: it has to give one
+        detail = (out.stderr or "").strip()[:300] or "nothing"
+        raise JitError(f"compiler {compiler} --version exited {out.returncode} and printed no version on its "
+                       f"standard output (standard error: {detail})")
     _versions[key] = version
     return version
 
@@ -162,12 +172,13 @@ def _device_libs(rocm_path: str, arch: str, cache_dir: Path) -> str | None:
     with file_lock(cache_dir / f"rocm-device-libs-{arch}.lock", f"device libraries for {arch}"):
         if target.is_file():  # made by another process while we waited
             return str(dest)
+        for stale in cache_dir.glob(f"{dest.name}.tmp*"):  # under the lock: killed derivations' copies
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(f"{dest}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             shutil.copytree(src, tmp)
             text = subprocess.run([llvm_bin, str(src / f"oclc_isa_version_{sibling}.bc"), "-o", "-"],
-                                  capture_output=True, text=True, check=True).stdout
+                                  capture_output=True, text=True, errors="replace", check=True).stdout
             subprocess.run([llvm_as, "-o", str(tmp / target.name)], input=text.replace(old, new), text=True,
                            capture_output=True, check=True)
             os.rename(tmp, dest)
@@ -190,10 +201,11 @@ def _fingerprint(paths) -> str:
 def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
     if platform_of(arch) == "cuda":
         nvcc = _find_nvcc()
-        # nvcc preprocesses and compiles a module's host code with the gcc it finds on PATH and links with g++
-        # (NVCC_CCBIN, in the key by itself, picks another): both versions are part of what a module is built
-        # with.
-        hosts = [_version(path) for name in ("gcc", "g++") if (path := shutil.which(name))]
+        # nvcc preprocesses and compiles a module's host code with the gcc it finds on PATH and links with g++,
+        # or with the compiler NVCC_CCBIN names: their versions are part of what a module is built with.
+        ccbin = os.environ.get("NVCC_CCBIN")
+        names = (ccbin,) if ccbin else ("gcc", "g++")
+        hosts = [_version(path) for name in names if (path := shutil.which(name))]
         return Toolchain("cuda", nvcc, " | host ".join([_version(nvcc)] + hosts))
     clang, rocm = _find_hip_clang()
     libs = _device_libs(rocm, arch, cache_dir)
@@ -215,7 +227,8 @@ _CLANG_REMARK = re.compile(r"remark:\s+(Function Name|SGPRs|VGPRs|AGPRs|ScratchS
 
 def _demangle(names):
     try:
-        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, errors="replace",
+                             timeout=30)
         lines = out.stdout.splitlines()
         if len(lines) == len(names):
             return lines

@@ -1,0 +1,233 @@
+"""The JIT builder where users trip (a review of 2026-11-28): what the cache key covers, a cache that cannot be
+written, compiler output that is not UTF-8, lock waits, arch names with features, HIPKERN_JIT_DIR spelt with ~ or
+relative, Ctrl-C in `python -m hipkern.build`. CPU only; the tests that compile need nvcc or clang-19."""
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_spec, toolchain_or_skip
+from hipkern import jit
+from hipkern.jit import _lock, _paths, builder, toolchain
+from hipkern.jit.platform import JitError
+
+pytestmark = pytest.mark.toolchain
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _unhashed_includes(spec) -> list[str]:
+    """Quoted includes reachable from the spec's sources that resolve (beside the includer, then in the include
+    directory, as the compilers look) to a file the module key does not hash, or to no file."""
+    hashed = {p.resolve() for p in builder._source_files(spec)}
+    todo = [spec.root / "common" / "module_api.hip"] + [spec.root / s for s in spec.sources]
+    seen, bad = set(), []
+    while todo:
+        f = todo.pop().resolve()
+        if f in seen:
+            continue
+        seen.add(f)
+        for name in _INCLUDE.findall(f.read_text(errors="replace")):
+            found = next((c.resolve() for c in (f.parent / name, spec.include_dir / name) if c.is_file()), None)
+            if found is None or found not in hashed:
+                bad.append(f"{f.name}: #include \"{name}\"")
+            elif found not in seen:
+                todo.append(found)
+    return bad
+
+
+def test_every_file_the_shipped_modules_include_is_in_their_key():
+    """The key hashes headers by place (include/, the sources' directories); a quoted include from elsewhere
+    (../shared/x.h) or of another suffix (impl.hip) would be served stale after an edit."""
+    specs = {s.sources: s for s in jit.all_specs()}.values()
+    assert specs
+    for spec in specs:
+        assert _unhashed_includes(spec) == [], spec.name
+
+
+def test_the_include_check_finds_a_file_outside_the_key(tiny_root):
+    (tiny_root / "shared").mkdir()
+    (tiny_root / "shared" / "factor.h").write_text("#define FACTOR 5\n")
+    (tiny_root / "tiny" / "impl.hip").write_text("// included source\n")
+    src = tiny_root / "tiny" / "tiny.hip"
+    src.write_text('#include "../shared/factor.h"\n#include "impl.hip"\n#include "missing.h"\n' + src.read_text())
+    assert _unhashed_includes(tiny_spec(tiny_root)) == ['tiny.hip: #include "../shared/factor.h"',
+                                                       'tiny.hip: #include "impl.hip"',
+                                                       'tiny.hip: #include "missing.h"']
+
+
+def test_an_editor_s_swap_file_beside_a_header_changes_no_key(jit_dir, tiny_root, tmp_path):
+    tc = toolchain_or_skip("sm_90", tmp_path)
+    key = jit.module_key(tiny_spec(tiny_root), "sm_90", tc)
+    (tiny_root / "include" / "hipkern" / ".platform.h.swp").write_bytes(b"\x00vim swap")
+    (tiny_root / "include" / "hipkern" / "reduce.h~").write_text("// a backup\n")
+    assert jit.module_key(tiny_spec(tiny_root), "sm_90", tc) == key
+
+
+def test_compiler_output_that_is_not_utf8_keeps_the_compiler_s_message(jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip("sm_90", tmp_path)
+    (tiny_root / "tiny" / "tiny.hip").write_bytes(b"caf\xe9 is not C++;\n")
+    with pytest.raises(JitError, match=r"(?s)building module tiny for sm_90 failed .*caf\ufffd is not C\+\+"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_a_cache_that_cannot_be_written_is_a_jit_error(jit_dir, tiny_root, tmp_path):
+    """A full or read-only cache raised a bare OSError (from the lock file, the arch directory, the logs)."""
+    toolchain_or_skip("sm_90", tmp_path)
+    jit_dir.mkdir(mode=0o700)
+    (jit_dir / "sm_90").write_text("a file where the arch's directory goes\n")
+    with pytest.raises(JitError, match=r"building module tiny for sm_90: the JIT cache .*/sm_90 cannot be written "
+                                       r"\(.*File exists.*set HIPKERN_JIT_DIR"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_a_compile_error_whose_log_cannot_be_saved_still_shows_the_compiler_s_message(jit_dir, tiny_root, tmp_path):
+    tc = toolchain_or_skip("sm_90", tmp_path)
+    (tiny_root / "tiny" / "tiny.hip").write_text("this is not C++;\n")
+    key = jit.module_key(tiny_spec(tiny_root), "sm_90", tc)
+    (jit_dir / "sm_90" / f"tiny-{key}.failed.log").mkdir(parents=True)  # (as a full disk would refuse it)
+    with pytest.raises(JitError, match=r"(?s)failed \(exit \d+\); the full log could not be saved \(.*\n\$ .*"
+                                       r"this is not C\+\+"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_threads_waiting_for_one_lock_share_one_timeout(tmp_path, monkeypatch):
+    """Three threads of a process that all wait for a lock another process holds time out together, after one
+    HIPKERN_JIT_LOCK_TIMEOUT (they timed out one after another, at 1x, 2x and 3x it)."""
+    import fcntl
+
+    lock = tmp_path / "x.lock"
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # another open file: flock treats it as another process
+    fcntl.flock(held, fcntl.LOCK_EX)
+    monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", "1")
+    ends = []
+
+    def wait():
+        t0 = time.monotonic()
+        with pytest.raises(JitError, match="timed out after 1s waiting for the lock"):
+            with _lock.file_lock(lock, "testing"):
+                pytest.fail("took the lock")
+        ends.append(time.monotonic() - t0)
+
+    try:
+        threads = [threading.Thread(target=wait) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        os.close(held)
+    assert len(ends) == 3 and max(ends) < 1.8, ends
+
+
+def test_a_long_wait_for_a_lock_is_said_once(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    lock = tmp_path / "x.lock"
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    os.pwrite(held, b"4242", 0)
+    monkeypatch.setattr(_lock, "TELL_AFTER_S", 0.1)
+    monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", "0.5")
+    try:
+        with caplog.at_level(logging.WARNING, logger="hipkern.jit"):
+            with pytest.raises(JitError):
+                with _lock.file_lock(lock, "building tiny for sm_90"):
+                    pass
+    finally:
+        os.close(held)
+    said = [r.getMessage() for r in caplog.records if "waiting for process" in r.getMessage()]
+    assert len(said) == 1 and "waiting for process 4242, which is building tiny for sm_90" in said[0]
+
+
+def test_rocm_arch_names_with_features_are_their_arch(monkeypatch):
+    assert jit.platform.check_arch("gfx942:sramecc+:xnack-") == "gfx942"
+    assert jit.platform.check_arch("gfx90a:xnack+") == "gfx90a"
+    monkeypatch.setenv("HIPKERN_ARCH", "gfx942:sramecc+:xnack-")
+    assert jit.current_arch() == "gfx942"
+    with pytest.raises(JitError, match="is not a GPU architecture name"):
+        jit.platform.check_arch("sm_90:xnack+")
+
+
+def test_rdna_is_refused_before_any_toolchain_is_looked_for(jit_dir, tiny_root, monkeypatch):
+    """gfx1100 was told that Debian's device libraries do not support it, as if newer ones would help."""
+    monkeypatch.setenv("HIPKERN_HIP_CLANG", "/nonexistent/clang")
+    with pytest.raises(JitError, match="arch gfx1100 has 32-lane waves"):
+        jit.build(tiny_spec(tiny_root), "gfx1100")
+
+
+def test_jit_dir_with_a_tilde_or_relative_is_one_absolute_directory(tmp_path, monkeypatch):
+    _paths._env_root.cache_clear()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HIPKERN_JIT_DIR", "~/hk-cache")
+    assert _paths.cache_root() == tmp_path / "home" / "hk-cache"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    monkeypatch.setenv("HIPKERN_JIT_DIR", f"rel-{tmp_path.name}")
+    first = _paths.cache_root()
+    monkeypatch.chdir(tmp_path / "b")  # a later chdir keeps the same cache
+    assert _paths.cache_root() == first == tmp_path / "a" / f"rel-{tmp_path.name}"
+    assert not (tmp_path / "b" / f"rel-{tmp_path.name}").exists()
+
+
+def test_a_compiler_whose_version_query_fails_is_a_clear_error(tmp_path, monkeypatch):
+    cc = tmp_path / "badcc"
+    cc.write_text("#!/bin/sh\necho 'no version here' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setattr(toolchain, "_versions", {})
+    with pytest.raises(JitError, match=r"badcc --version exited 1 .*standard error: no version here"):
+        toolchain._version(str(cc))
+
+
+def test_nvcc_ccbin_s_version_is_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch):
+    toolchain_or_skip("sm_90", tmp_path)
+    cc = tmp_path / "bin" / "my-gcc"
+    cc.parent.mkdir()
+    cc.write_text("#!/bin/sh\necho 'my-gcc (Other) 42.1'\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("NVCC_CCBIN", str(cc))
+    assert "| host my-gcc (Other) 42.1" in toolchain.find_toolchain("sm_90", tmp_path).version
+
+
+def test_a_killed_device_library_derivation_s_copy_is_removed(tmp_path):
+    """gfx942 on Debian's ROCm libraries derives its ISA-version file into a private copy; a copy left by a
+    killed process (another pid) is removed by the next derivation."""
+    toolchain_or_skip("gfx942", tmp_path)
+    clang, rocm = toolchain._find_hip_clang()
+    (tmp_path / "one").mkdir()  # (the cache directory, which exists when a build asks)
+    first = toolchain._device_libs(rocm, "gfx942", tmp_path / "one")
+    if not first.startswith(str(tmp_path)):
+        pytest.skip("these device libraries support gfx942 as they are: nothing is derived")
+    fresh = tmp_path / "two"
+    stale = fresh / f"{Path(first).name}.tmp99999999"
+    stale.mkdir(parents=True)
+    (stale / "ockl.bc").write_bytes(b"partial")
+    derived = toolchain._device_libs(rocm, "gfx942", fresh)
+    assert Path(derived).is_dir() and not stale.exists()
+    shutil.rmtree(tmp_path / "one")
+
+
+def test_ctrl_c_stops_the_build_command_before_the_queued_modules(monkeypatch, capsys):
+    from hipkern import build
+
+    started = []
+
+    def slow_build(spec, arch, force):
+        started.append(spec.name)
+        time.sleep(0.2)
+
+    def interrupted(futures):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jit, "build", slow_build)
+    monkeypatch.setattr(build, "wait", interrupted)
+    assert build.main(["--arch", "sm_90", "--jobs", "1"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    time.sleep(0.5)  # the one running build ends; no queued one starts
+    assert len(started) <= 1 < len(jit.all_specs())
