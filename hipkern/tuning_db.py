@@ -22,8 +22,9 @@ Lookup (``lookup(op, arch, cu_count, device_name=..., **shape)``), in this order
 2. nearest: among rows with the same exact keys, the smallest distance, where distance is the sum
    over bucket keys of |log2(a) - log2(b)|, plus 0.5 when cu_count differs and 0.25 when the row is
    another device's (an H200 takes an H100's row of its own shape before its own row of a shape one
-   bucket away); ties go to the row with the larger buckets (tuned for more work), then to the newer
-   date;
+   bucket away); ties go to the row with the larger buckets (tuned for more work), then to one device
+   throughout (the one with the most rows, then by name: a GPU with no rows of its own takes one device's
+   choices, not a mix), then to the newer date;
 3. none: the op uses its heuristic default.
 
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
@@ -49,7 +50,8 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_dir", "reset", "positive_ints"]
+__all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_dir", "reset", "positive_ints",
+           "parse_row"]
 
 log = logging.getLogger("hipkern.tuning")
 COMMON = ("arch", "cu_count", "variant", "us", "tbps", "err", "date", "commit")
@@ -109,6 +111,44 @@ def shipped_results_dir() -> Path:
     return pkg / "_tuning" / "results"
 
 
+def parse_row(s: Schema, raw: dict, arch: str):
+    """A raw CSV row of `arch` as the lookup takes it (numbers parsed, "params" collected, keys stripped), or why
+    it cannot be taken (a str): the loader skips such rows with a warning, and the tuner never chooses one."""
+    if None in raw or any(v is None for v in raw.values()):  # csv's fill for a short or a long row
+        return "the row has fewer or more fields than the header"
+    if raw.get("arch", "").strip() != arch:
+        return f"arch {raw.get('arch')!r} is not {arch!r}"
+    if raw.get("variant") not in s.variants:
+        return f"variant {raw.get('variant')!r} is not one of {sorted(s.variants)}"
+    row = dict(raw, arch=arch)  # (" gfx942" matched after stripping: the op's own check reads the name)
+    row[DEVICE] = (raw.get(DEVICE) or "").strip()
+    try:
+        row["cu_count"] = int(raw["cu_count"])
+        for k in s.bucket_keys:
+            row[k] = int(raw[k])
+            if row[k] < 1 or row[k] & (row[k] - 1):
+                return f"{k}={raw[k]!r} is not a power of two"
+        row["params"] = {k: int(raw[k]) for k in s.param_keys if raw.get(k) not in ("", None)}
+        us = float(raw["us"])
+    except (TypeError, ValueError):
+        return "a number column holds something else"
+    if not (math.isfinite(us) and us > 0):
+        return f"us={raw['us']!r} is not a positive time"
+    for k, v in row["params"].items():
+        lo, hi = s.param_ranges.get(k, (-math.inf, math.inf))
+        if not lo <= v <= hi:
+            return f"{k}={v} is outside [{lo}, {hi}]"
+    for k in s.exact_keys:
+        row[k] = raw[k].strip()
+        if not row[k]:
+            return "an exact key is empty"
+    if s.check is not None:
+        why = s.check(row)
+        if why:
+            return why
+    return row
+
+
 _schemas: dict = {}
 _tables: dict = {}  # (op, arch) -> _Table
 _lock = threading.Lock()
@@ -138,6 +178,13 @@ class _Table:
             self._load(f, arch, user=f != files[0])
         for row in self.exact.values():
             self.groups.setdefault(self._exact_part(row), []).append(row)
+        # Among other devices' rows that tie, one device throughout (the one with the most rows, then by name),
+        # so that a GPU with none of its own (an H100 NVL, a GH200) takes one device's choices, not a mix of two
+        # by the rows' dates.
+        counts: dict = {}
+        for row in self.exact.values():
+            counts[row[DEVICE]] = counts.get(row[DEVICE], 0) + 1
+        self.device_rank = {d: i for i, d in enumerate(sorted(counts, key=lambda d: (-counts[d], d)))}
 
     def _exact_part(self, row) -> tuple:
         return tuple(str(row[k]) for k in self.schema.exact_keys)
@@ -210,40 +257,7 @@ class _Table:
         self.exact.update(mine)
 
     def _parse(self, raw: dict, arch: str):
-        s = self.schema
-        if None in raw or any(v is None for v in raw.values()):  # csv's fill for a short or a long row
-            return "the row has fewer or more fields than the header"
-        if raw.get("arch", "").strip() != arch:
-            return f"arch {raw.get('arch')!r} is not {arch!r}"
-        if raw.get("variant") not in s.variants:
-            return f"variant {raw.get('variant')!r} is not one of {sorted(s.variants)}"
-        row = dict(raw, arch=arch)  # (" gfx942" matched after stripping: the op's own check reads the name)
-        row[DEVICE] = (raw.get(DEVICE) or "").strip()
-        try:
-            row["cu_count"] = int(raw["cu_count"])
-            for k in s.bucket_keys:
-                row[k] = int(raw[k])
-                if row[k] < 1 or row[k] & (row[k] - 1):
-                    return f"{k}={raw[k]!r} is not a power of two"
-            row["params"] = {k: int(raw[k]) for k in s.param_keys if raw.get(k) not in ("", None)}
-            us = float(raw["us"])
-        except (TypeError, ValueError):
-            return "a number column holds something else"
-        if not (math.isfinite(us) and us > 0):
-            return f"us={raw['us']!r} is not a positive time"
-        for k, v in row["params"].items():
-            lo, hi = s.param_ranges.get(k, (-math.inf, math.inf))
-            if not lo <= v <= hi:
-                return f"{k}={v} is outside [{lo}, {hi}]"
-        for k in s.exact_keys:
-            row[k] = raw[k].strip()
-            if not row[k]:
-                return "an exact key is empty"
-        if s.check is not None:
-            why = s.check(row)
-            if why:
-                return why
-        return row
+        return parse_row(self.schema, raw, arch)
 
     def find(self, exact: tuple, buckets: tuple, cu_count: int, device: str = ""):
         for dev in dict.fromkeys((device, "")):
@@ -254,7 +268,8 @@ class _Table:
         for r in self.groups.get(exact, ()):
             dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
             dist += 0.5 * (r["cu_count"] != cu_count) + 0.25 * (r[DEVICE] not in ("", device))
-            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), _date_rank(r.get("date") or ""))
+            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), self.device_rank[r[DEVICE]],
+                    _date_rank(r.get("date") or ""))
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
         return (best, "nearest") if best is not None else (None, None)

@@ -112,13 +112,18 @@ def shapes(*specs):
     return core.parse_shapes(FAKE, [("test", {"kind": k, "width": 8, "batch": b}) for k, b in specs])
 
 
-@pytest.fixture
-def fresh(monkeypatch, tmp_path, tuning_results):
+def reset_fake(monkeypatch, tmp_path, tuning_results) -> Path:
+    """The fake op's state reset; its results file (tests/test_tune_review.py's fixture uses it too)."""
     CALLS.clear()
     STATE.update(clock=0.0, interrupts=0)
     monkeypatch.setenv("FAKE_TUNE_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(TESTS))  # workers import this module as test_tune
     return tuning_results / "faketune.csv"
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path, tuning_results):
+    return reset_fake(monkeypatch, tmp_path, tuning_results)
 
 
 def rows_of(path):
@@ -275,8 +280,10 @@ def test_skip_done_restores_missing_database_rows_and_bad_files_are_named(fresh)
     fresh.unlink()  # e.g. killed between writing the candidates file and the database
     CALLS.clear()
     s = runner.tune(FAKE, shapes(("ok", 1)), fresh, skip_done=True, progress=False)
-    assert s.skipped == 1 and not CALLS and by_key(fresh)[("ok", 1)]["variant"] == "b"
+    # only e, rejected for an error (not a wrong result), is measured again
+    assert CALLS == [("ok w8 b1", "e")] and not s.failed and by_key(fresh)[("ok", 1)]["variant"] == "b"
     fresh.write_text(fresh.read_text().replace("6.000", "fast"))
+    CALLS.clear()
     with pytest.raises(ValueError, match=r"faketune.csv, line 2: not a faketune tuning row"):
         runner.tune(FAKE, shapes(("ok", 2)), fresh, progress=False)
     assert not CALLS  # before any timing
@@ -299,10 +306,10 @@ def test_rows_from_before_the_device_column_are_named_and_counted_by_a_dry_run_o
                 info={**FAKE.device_info(0), "device": "GPU A"})
     cmd = ["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=1", "--out", str(fresh), "--skip-done",
            "--dry-run", "--arch", "sm_90", "--cu-count", "132"]
-    assert main(cmd + ["--device-name", "GPU A"]) == 0
-    assert "0 shapes to tune (1 of 1 done already)" in capsys.readouterr().out  # its rows count: done
+    assert main(cmd + ["--device-name", "GPU A"]) == 0  # its rows count: done but e (rejected for an error)
+    assert "1 shapes to tune (0 of 1 done already), 1 candidates" in capsys.readouterr().out
     assert main(cmd + ["--device-name", "GPU B"]) == 0
-    assert "1 shapes to tune (0 of 1 done already)" in capsys.readouterr().out
+    assert "1 shapes to tune (0 of 1 done already), 6 candidates" in capsys.readouterr().out
 
 
 def test_gpus_of_two_devices_are_refused(monkeypatch):
@@ -323,8 +330,9 @@ def test_ctrl_c_keeps_finished_rows_and_skip_done_resumes(fresh):
     assert {m for m in measured if m[0] == "interrupt"} == {("interrupt", x) for x in ("a", "b", "b2", "c")}
     CALLS.clear()
     s = runner.tune(FAKE, todo, fresh, skip_done=True, progress=False)
-    assert s.skipped == 2 and len(s.done) == 2
-    assert sorted(CALLS) == sorted([("interrupt w8 b4", "d"), ("interrupt w8 b4", "e")] +
+    assert s.skipped == 0 and len(s.done) == 4  # (ok 1 and ok 2: e, rejected for an error, again)
+    assert sorted(CALLS) == sorted([("interrupt w8 b4", "d"), ("interrupt w8 b4", "e"), ("ok w8 b1", "e"),
+                                    ("ok w8 b2", "e")] +
                                    [("ok w8 b8", c) for c in ("a", "b", "b[tile=2]", "c", "d", "e")])
     best = by_key(fresh)
     assert len(best) == 4 and (best[("interrupt", 4)]["variant"], best[("interrupt", 4)]["tile"]) == ("b", "2")
@@ -492,10 +500,14 @@ def test_exact_keys_are_stripped_as_the_lookup_strips_them():
 
 
 def test_parse_helpers():
-    assert parse_gpus("0,1,1") == [0, 1, 1] and parse_gpus(None) is None
+    assert parse_gpus("0,1,2") == [0, 1, 2] and parse_gpus(None) is None
+    with pytest.raises(ValueError, match=r"--gpus names a GPU twice \('0,1,1'\): each GPU takes one timing worker"):
+        parse_gpus("0,1,1")  # two workers timing on one GPU at once
     assert parse_where(["dtype=bfloat16", "batch=8"]) == {"dtype": "bfloat16", "batch": "8"}
     with pytest.raises(ValueError, match="--where must be key=value"):
         parse_where(["dtype"])
+    with pytest.raises(ValueError, match="--where names dtype twice \\('bfloat16' and 'float16'\\)"):
+        parse_where(["dtype=bfloat16", "dtype=float16"])  # the last one used to win silently
 
 
 def test_tuning_refuses_modules_built_for_another_arch_than_the_gpu_s(monkeypatch):

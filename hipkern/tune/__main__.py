@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ def parse_gpus(text):
         return None
     parts = [p.strip() for p in text.split(",")]
     if not parts or not all(p.isdigit() for p in parts):
-        raise ValueError(f"--gpus must be comma-separated GPU indices such as 0,1 (a GPU may repeat); got {text!r}")
-    return [int(p) for p in parts]
+        raise ValueError(f"--gpus must be comma-separated GPU indices such as 0,1; got {text!r}")
+    gpus = [int(p) for p in parts]
+    if len(set(gpus)) != len(gpus):  # two workers timing on one GPU at once would write contended times
+        raise ValueError(f"--gpus names a GPU twice ({text!r}): each GPU takes one timing worker")
+    return gpus
 
 
 def parse_where(items) -> dict:
@@ -27,6 +31,9 @@ def parse_where(items) -> dict:
         k, eq, v = item.partition("=")
         if not eq or not k.strip() or not v.strip():
             raise ValueError(f"--where must be key=value, e.g. dtype=bfloat16; got {item!r}")
+        if k.strip() in where:  # (the last one used to win silently)
+            raise ValueError(f"--where names {k.strip()} twice ({where[k.strip()]!r} and {v.strip()!r}): one "
+                             "value a key; run once per value")
         where[k.strip()] = v.strip()
     return where
 
@@ -67,6 +74,24 @@ def _report_parser():
     p.add_argument("--out", help="database CSV (default tuning/results/<arch>/<op>.csv)")
     p.add_argument("--arch", help="arch of the default file (default: the GPU's)")
     return p
+
+
+def check_writable(out: Path) -> None:
+    """A ValueError unless the database file `out` and its candidates file can be written: not a directory, in a
+    directory that exists or can be made, where a file can be created."""
+    import tempfile
+
+    for path in (out, core.candidates_path(out)):
+        if path.is_dir():
+            raise ValueError(f"--out {out}: {path} is a directory; name the database CSV file (e.g. "
+                             f"{path / 'fused_moe.csv'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=out.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--out {out}: its directory cannot be written ({e})") from None
 
 
 def _default_out(op: str, arch: str, read_only: bool = False) -> Path:
@@ -117,6 +142,11 @@ def main(argv=None) -> int:
     info = ({**adapter.info_for(a.arch, a.cu_count), "device": (a.device_name or "").strip()} if a.arch
             else runner.device_info(adapter, gpus))
     out = Path(a.out) if a.out else _default_out(adapter.op, info["arch"], read_only=a.dry_run)
+    if not a.dry_run:
+        check_writable(out)  # before any GPU time is spent, not at the first save
+    elif not _has_gpu():
+        print("hipkern.tune: --dry-run without a GPU plans with one resident block an SM for every kernel: its "
+              "pruning and counts are not what a GPU of that kind would plan", flush=True)
     saved = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's SIGTERM saves finished rows like Ctrl-C
     try:
         summary = runner.tune(adapter, shapes, out, spec=a.op, gpus=gpus, skip_done=a.skip_done,

@@ -210,17 +210,27 @@ def candidate_of(schema, row) -> Candidate:
                                            if str(row.get(k, "")) != ""))
 
 
-def stamp() -> dict:
-    """Date and commit written into every row of a run."""
-    root = Path(__file__).resolve().parents[2]
+def _git(root: Path, *args) -> str | None:
     try:
-        r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                           text=True, timeout=10)
-        commit = r.stdout.strip() if r.returncode == 0 else ""
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        commit = ""
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def stamp() -> dict:
+    """Date and commit written into every row of a run: the checkout's HEAD, with "-dirty" when the code that
+    runs (hipkern/, csrc_hip/) has changes not committed; empty when hipkern is not a checkout of its own (an
+    installed wheel, also one inside another repository)."""
+    root = Path(__file__).resolve().parents[2]
+    top = _git(root, "rev-parse", "--show-toplevel")
+    commit = ""
+    if top and Path(top).resolve() == root.resolve():
+        commit = _git(root, "rev-parse", "--short=12", "HEAD") or ""
+        if commit and _git(root, "status", "--porcelain", "--", "hipkern", "csrc_hip"):
+            commit += "-dirty"
     if not commit:
-        print(f"hipkern.tune: {root} is not a git checkout: rows get an empty commit", flush=True)
+        print(f"hipkern.tune: {root} is not a git checkout of hipkern: rows get an empty commit", flush=True)
     return {"date": datetime.date.today().isoformat(), "commit": commit}
 
 
@@ -295,12 +305,35 @@ def _load(schema, path) -> list:
     return [r for _, r in lines]
 
 
+class WrongResult(ValueError):
+    """A candidate's output is wrong (an adapter's own check, e.g. under another routing): measure() records it
+    as rejected, and --skip-done does not measure it again (as a checkAllclose mismatch)."""
+
+
+def settled(schema, r) -> bool:
+    """Whether --skip-done leaves a measured candidate alone: a usable row, or one rejected for a wrong result
+    (that repeats); a candidate rejected for an error (a toolchain, memory, a crashed worker) is measured again."""
+    note = str(r.get("note") or "")
+    return usable(schema, r) or (note.startswith(("checkAllclose mismatch", f"{WrongResult.__name__}: "))
+                                 or "output elements non-finite" in note)
+
+
+def usable(schema, r) -> bool:
+    """Whether a row may be chosen: not rejected, and one the op's database would take (its variant and
+    parameters as the op runs them now: tuning_db.parse_row, which the loader applies too), so that the tuner
+    never writes a row the loader would skip while a slower valid one is dropped."""
+    if r.get("status", "ok") not in ("ok", "", None) or r["variant"] not in schema.variants:
+        return False
+    raw = {k: v if v is None or isinstance(v, str) else str(v) for k, v in r.items()}
+    return isinstance(tuning_db.parse_row(schema, raw, str(r.get("arch", "")).strip()), dict)
+
+
 def merge_best(schema, rows) -> list:
-    """The best row per key: lowest us among rows not rejected whose variant the op still has; ties go
-    to the newer date, then to the later row. Sorted by key."""
+    """The best row per key: lowest us among usable rows; ties go to the newer date, then to the later
+    row. Sorted by key."""
     best = {}
     for r in rows:
-        if r.get("status", "ok") not in ("ok", "", None) or r["variant"] not in schema.variants:
+        if not usable(schema, r):
             continue
         k, us = row_key(schema, r), float(r["us"])
         cur = best.get(k)
@@ -333,7 +366,7 @@ def prefer_default(schema, rows, default_of) -> list:
     one (fused_moe: skewed routing), the fastest there of those that beat that choice (the default,
     else the fastest) there by more than DEFAULT_MARGIN and by more than SECOND_EXCHANGE times what
     they lose on us (second_trade) replaces it."""
-    ok = [r for r in rows if r.get("status", "ok") in ("ok", "", None) and r["variant"] in schema.variants]
+    ok = [r for r in rows if usable(schema, r)]
     if not ok:
         return rows
     best = min(float(r["us"]) for r in ok)
@@ -391,8 +424,12 @@ def _save(schema, out, new_rows, complete_keys, default_of) -> int:
         k = row_key(schema, r)
         if k in per_key and (k, candidate_of(schema, r).name) not in latest:
             per_key[k].append(r)
+    # A complete key none of whose rows may be chosen (every candidate rejected this time: a toolchain, the
+    # GPU's memory) keeps the rows the database had for it (the runner reports the shape as failed).
+    dead = {k for k, rs in per_key.items() if not any(usable(schema, r) for r in rs)}
     kept = [r for r in kept if row_key(schema, r) not in per_key]
-    chosen = [r for k in sorted(per_key) for r in prefer_default(schema, per_key[k], default_of)]
+    kept += [r for r in _load(schema, out) if row_key(schema, r) in dead]
+    chosen = [r for k in sorted(per_key) if k not in dead for r in prefer_default(schema, per_key[k], default_of)]
     db = merge_best(schema, kept + chosen)
     write_csv(out, db, schema.columns)
     return len(db)

@@ -30,7 +30,8 @@ from ..ops.fused_moe import (VARIANT, block_ms_for, choose_variant, decode_fits,
                               gemv_fits, gemv_variants)
 from ..ops.moe_sorting import MAX_EXPERTS
 from ..reference import fused_moe_ref
-from .core import Candidate, Pruned, arch_info, gpu_info, perftest_us
+from ..testing import checkAllclose, poison
+from .core import Candidate, Pruned, WrongResult, arch_info, gpu_info, perftest_us
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOL = {"float32": dict(atol=1e-5, rtol=1e-3), "bfloat16": dict(atol=1e-2, rtol=1e-2),
@@ -153,6 +154,8 @@ class _Bench:
         inter = None if dtype == torch.float32 else dtype
         self.ref = fused_moe_ref(self.x[:n], w1, w2, self.tw[:n], self.ids[:n], compute_dtype=torch.float64,
                                  intermediate_dtype=inter)
+        self.skewed_ref = fused_moe_ref(self.x[:n], w1, w2, self.tw[:n], self.skewed_ids[:n],
+                                        compute_dtype=torch.float64, intermediate_dtype=inter)
         self.n = n
         self.block_m = self.variant = None
 
@@ -178,7 +181,16 @@ class _Bench:
 
     def time_measures(self) -> dict:
         """skewed_us: time_us with every token routed to the same k experts (fewer bytes: the same
-        timing budget is ample)."""
+        timing budget is ample), after one call checked as core.measure checks the uniform one (a
+        candidate wrong only under skewed routing is rejected: measure() records the WrongResult)."""
+        out = poison(torch.empty_like(self.x))
+        fused_moe(self.x, self.w1, self.w2, self.tw, self.skewed_ids, out=out, block_m=self.block_m,
+                  variant=self.variant)
+        bad = int((~torch.isfinite(out)).sum())
+        err = checkAllclose(out[: self.n], self.skewed_ref, printLog=False, **self.tol)
+        if bad or err > 0:
+            raise WrongResult(f"skewed routing: {bad} non-finite output elements (NaN-poisoned output), "
+                              f"checkAllclose mismatch on {err:.2%} of the checked elements")
         return {"skewed_us": self._time(self.skewed_ids)}
 
     def _time(self, ids) -> float:

@@ -75,6 +75,8 @@ class Run:
         self.adapter, self.schema, self.out, self.info, self.stamp = adapter, adapter.schema, out, info, run_stamp
         self.jobs, self.summary = {j["i"]: j for j in jobs}, summary
         self.rows, self.measured, self.open, self.current = [], {i: set() for i in self.jobs}, {}, {}
+        self.chosen_from = {i for i, j in self.jobs.items() if j.get("chosen")}  # shapes with a usable row
+        self.saved = 0  # self.rows[:saved] are in the files
         self.progress = Progress(sum(len(j["cands"]) for j in jobs), progress)
         self.saved_at, self.t0 = core._now(), core._now()
 
@@ -89,7 +91,7 @@ class Run:
         elif kind in ("done", "failed"):
             self.current.pop(src, None)
             if kind == "done":
-                self.summary.done[i] = ev["s"]
+                self.finished(i, ev["s"])
                 gpu = getattr(src, "gpu", src)
                 self.summary.per_gpu[gpu] = self.summary.per_gpu.get(gpu, 0) + 1
                 self.checkpoint()
@@ -99,7 +101,19 @@ class Run:
         elif kind == "stop":
             self.summary.stopped = True
 
+    def finished(self, i: int, seconds: float) -> None:
+        """Shape i has every candidate measured: tuned, or failed where none may be chosen (every one rejected:
+        its database row stays, and the exit status says so)."""
+        if i in self.chosen_from:
+            self.summary.done[i] = seconds
+            return
+        why = "every candidate was rejected (see above); its database row, if any, is kept"
+        self.summary.failed[i] = why
+        self.progress.write(f"hipkern.tune: {self.adapter.describe(self.jobs[i]['shape'])}: {why}")
+
     def add_row(self, i: int, row: dict) -> None:
+        if core.usable(self.schema, row):
+            self.chosen_from.add(i)
         self.rows.append(row)
         self.open.pop(i, None)
         name = candidate_of(self.schema, row).name
@@ -116,9 +130,12 @@ class Run:
         return self.summary.complete | {head + shape_key(self.schema, self.jobs[i]["shape"]) for i in self.summary.done}
 
     def save(self) -> None:
-        self.summary.db_rows = core.save(self.schema, self.out, self.rows, self.complete_keys(),
+        # Only the rows not saved yet: re-sending earlier ones would put them back over a newer measurement that
+        # another tuner saved meanwhile.
+        n = len(self.rows)
+        self.summary.db_rows = core.save(self.schema, self.out, self.rows[self.saved:n], self.complete_keys(),
                                          default_of(self.adapter))
-        self.saved_at = core._now()
+        self.saved, self.saved_at = n, core._now()
 
     def checkpoint(self) -> None:
         if core._now() - self.saved_at >= core.CHECKPOINT_S:
@@ -144,7 +161,7 @@ class Run:
             if left:
                 retry.append({**j, "cands": left, "suspect": self.current.get(worker) == j["i"]})
             else:
-                self.summary.done[j["i"]] = 0.0
+                self.finished(j["i"], 0.0)
         return retry
 
     def finish(self, interrupted: bool) -> None:
@@ -183,9 +200,13 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
               f"device (written before the column): they stand for every such GPU, and this run neither skips "
               f"(--skip-done) nor replaces them; to make them {kind[2]}'s, write the name of the GPU that timed them "
               "into their device column", flush=True)
-    if skip_done:
+    usable = {}  # shape key -> candidates with a usable row of this GPU
+    for r in measured:
+        if core.gpu_kind(r) == kind and core.usable(schema, r):
+            usable.setdefault(shape_key(schema, r), set()).add(candidate_of(schema, r).name)
+    if skip_done:  # (a candidate rejected for an error is measured again: the error may have been the machine's)
         for r in measured:
-            if core.gpu_kind(r) == kind:
+            if core.gpu_kind(r) == kind and core.settled(schema, r):
                 done.setdefault(shape_key(schema, r), set()).add(candidate_of(schema, r).name)
     jobs, same, dominated = [], 0, 0
     for i, shape in enumerate(shapes):
@@ -197,7 +218,9 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
             summary.complete.add(kind + shape_key(schema, shape))
             continue
         jobs.append({"i": i, "shape": shape, "cands": [[c.variant, [list(p) for p in c.params]] for c in cands],
-                     "est": adapter.estimate_s(shape, cands, info)})
+                     "est": adapter.estimate_s(shape, cands, info),
+                     # a usable row among the candidates this run does not measure again: a choice whatever it gets
+                     "chosen": bool(usable.get(shape_key(schema, shape), set()) - {c.name for c in cands})})
     summary.planned = sum(len(j["cands"]) for j in jobs)
     summary.estimate_s = sum(j["est"] for j in jobs)
     gpu = f"{info['arch']} ({info['cu_count']} CUs{', ' + info['device'] if info.get('device') else ''})"

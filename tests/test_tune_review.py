@@ -1,0 +1,141 @@
+"""The tuner where a user committing CSVs trips (a review of 2026-11-28), on the fake op of test_tune: a re-tune
+whose candidates all fail, rows the loader would skip, a bad --out, the commit stamp, two tuners saving into one
+file, a GPU with no rows of its own, --dry-run without a GPU; and (GPU) the fused_moe adapter's skewed check."""
+import pytest
+import torch
+
+import test_tune
+from hipkern import tuning_db
+from hipkern.tune import core, runner
+from hipkern.tune.__main__ import main
+from hipkern.tune.core import Candidate
+from test_tune import CALLS, FAKE, FAKE_SCHEMA, by_key, rows_of, shapes
+
+INFO = {"arch": "sm_90", "cu_count": 132}
+STAMP = {"date": "2026-11-28", "commit": "abc"}
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path, tuning_results):
+    return test_tune.reset_fake(monkeypatch, tmp_path, tuning_results)
+
+
+def _row(cand, us, batch=1, **over):
+    row = core.make_row(FAKE_SCHEMA, INFO, {"kind": "ok", "width": 8, "batch": batch}, cand, "ok", us, 1e6, 0.0, "",
+                        STAMP)
+    return {**row, **over}
+
+
+def test_a_re_tune_whose_candidates_all_fail_keeps_the_row_and_says_so(fresh, monkeypatch):
+    """Every candidate failing (a toolchain, the GPU's memory) used to delete the shape's row, exit 0, and leave
+    --skip-done nothing to measure."""
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    before = by_key(fresh)[("ok", 1)]
+    assert (before["variant"], before["tile"]) == ("b", "2")
+
+    def broken(self, out):
+        CALLS.append("broken")
+        raise RuntimeError("no kernel image is available")
+
+    with monkeypatch.context() as m:
+        m.setattr(test_tune.FakeBench, "call", broken)
+        s = runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    assert s.failed and "every candidate was rejected" in next(iter(s.failed.values())) and not s.done
+    assert by_key(fresh)[("ok", 1)] == before
+    CALLS.clear()
+    s = runner.tune(FAKE, shapes(("ok", 1)), fresh, skip_done=True, progress=False)
+    assert len(CALLS) == 6 and not s.failed  # every candidate failed for an error: measured again
+    assert (by_key(fresh)[("ok", 1)]["variant"], by_key(fresh)[("ok", 1)]["tile"]) == ("b", "2")
+
+
+def test_a_row_the_loader_would_skip_is_never_chosen(fresh):
+    """A faster "ok" row with parameters the op no longer takes (tile 128, outside tile's range) lost to nothing:
+    it was written, then skipped by the loader, and the valid slower row was gone."""
+    key = core.gpu_kind(INFO) + core.shape_key(FAKE_SCHEMA, _row(Candidate("b"), 8.0))
+    n = core.save(FAKE_SCHEMA, fresh, [_row(Candidate("b"), 8.0), _row(Candidate.of("b", tile=128), 1.0)], {key})
+    assert n == 1 and by_key(fresh)[("ok", 1)]["tile"] == ""
+    assert core.merge_best(FAKE_SCHEMA, [_row(Candidate.of("b", tile=128), 1.0)]) == []
+
+
+def test_a_bad_out_is_refused_before_any_timing(fresh, tmp_path):
+    cmd = ["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=1", "--no-progress", "--out"]
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ValueError, match=r"--out .*adir: .*adir is a directory; name the database CSV file"):
+        main(cmd + [str(tmp_path / "adir")])
+    (tmp_path / "afile").write_text("x\n")
+    with pytest.raises(ValueError, match=r"--out .*afile/x.csv: its directory cannot be written"):
+        main(cmd + [str(tmp_path / "afile" / "x.csv")])
+    assert not CALLS
+
+
+def test_the_commit_stamp_marks_changes_and_other_repositories(monkeypatch, capsys):
+    root = str(core.Path(core.__file__).resolve().parents[2])
+    git = {("rev-parse", "--show-toplevel"): root, ("rev-parse", "--short=12", "HEAD"): "0123456789ab",
+           ("status", "--porcelain", "--", "hipkern", "csrc_hip"): ""}
+    monkeypatch.setattr(core, "_git", lambda where, *args: git.get(args))
+    assert core.stamp()["commit"] == "0123456789ab"
+    git[("status", "--porcelain", "--", "hipkern", "csrc_hip")] = " M hipkern/ops/fused_moe.py"
+    assert core.stamp()["commit"] == "0123456789ab-dirty"
+    git[("rev-parse", "--show-toplevel")] = "/elsewhere/outer"  # a wheel inside another repository
+    assert core.stamp()["commit"] == ""
+    assert "not a git checkout of hipkern" in capsys.readouterr().out
+
+
+def test_a_second_tuner_s_newer_rows_survive_the_first_s_next_checkpoint(fresh):
+    (shape,) = shapes(("ok", 1))
+    run = runner.Run(FAKE, fresh, [{"i": 0, "shape": shape, "cands": [], "est": 0.0}], INFO, STAMP, runner.Summary(),
+                     progress=False)
+    run.add_row(0, _row(Candidate("b"), 8.0, date="2026-11-27"))
+    run.save()
+    core.save(FAKE_SCHEMA, fresh, [_row(Candidate("b"), 7.0, date="2026-11-28")], set())  # the other tuner
+    run.save()  # a checkpoint with nothing new
+    (b,) = [r for r in rows_of(core.candidates_path(fresh)) if r["variant"] == "b"]
+    assert (b["us"], b["date"]) == ("7.000", "2026-11-28")
+
+
+def test_a_gpu_with_no_rows_of_its_own_takes_one_device_s_rows(tmp_path, monkeypatch):
+    """Another sm_90 GPU of 132 SMs (an H100 NVL, a GH200) took H100 and H200 rows shape by shape by their dates."""
+    path = tmp_path / "faketune.csv"
+    rows = [_row(Candidate("a"), 5.0, batch=b, device="GPU A", date="2026-11-20") for b in (1, 2, 4)]
+    rows += [_row(Candidate("b"), 5.0, batch=b, device="GPU B", date="2026-11-28") for b in (1, 2)]
+    core.write_csv(path, rows, FAKE_SCHEMA.columns)
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(path))
+    tuning_db.reset()
+    try:
+        got = {b: tuning_db.lookup("faketune", "sm_90", 132, device_name="GPU C", kind="ok", width=8, batch=b)
+               for b in (1, 2, 4)}
+        assert {b: (c.variant, c.row["device"]) for b, c in got.items()} == {b: ("a", "GPU A") for b in (1, 2, 4)}
+        own = tuning_db.lookup("faketune", "sm_90", 132, device_name="GPU B", kind="ok", width=8, batch=2)
+        assert (own.variant, own.source) == ("b", "exact")
+    finally:
+        tuning_db.reset()
+
+
+def test_a_dry_run_without_a_gpu_says_its_plan_is_not_a_gpu_s(fresh, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["test_tune:FakeTuner", "--shape", "kind=ok,width=8,batch=1", "--out", str(fresh), "--dry-run",
+                 "--arch", "sm_90", "--cu-count", "132"]) == 0
+    assert "plans with one resident block an SM for every kernel" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_the_fused_moe_adapter_rejects_a_candidate_wrong_only_under_skewed_routing(monkeypatch):
+    from hipkern.tune import fused_moe as adapter
+
+    s = adapter.ADAPTER.parse_shape(dict(dtype="bfloat16", model_dim="256", inter_dim="128", num_experts="16",
+                                         topk="2", tokens="8"))
+    bench = adapter.ADAPTER.prepare(s, adapter.ADAPTER.device_info(0), 0)
+    real = adapter.fused_moe
+
+    def wrong_when_skewed(x, w1, w2, tw, ids, *, out, **kw):
+        real(x, w1, w2, tw, ids, out=out, **kw)
+        if bool((ids == ids[:1]).all()):
+            out.mul_(1.5)
+        return out
+
+    cand = Candidate.of("grouped", block_m=16)
+    assert core.measure(bench, cand, ("skewed_us",))[0] == "ok"
+    monkeypatch.setattr(adapter, "fused_moe", wrong_when_skewed)
+    status, us, err, note, fatal, extra = core.measure(bench, cand, ("skewed_us",))
+    assert status == "rejected" and note.startswith("WrongResult: skewed routing") and not fatal
+    assert core.settled(FAKE_SCHEMA, {"status": status, "variant": "grouped", "note": note})
