@@ -136,8 +136,11 @@ def graph_replay_with_new_routing(dtype, t, e, k, seed=0, map_activation="silu",
     with torch.cuda.graph(g):
         hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw)
         out_map = hipkern.fused_moe(x, w1l, w2l, w, ids, **mapped)
-    same_k = torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1) * 7 + 1
-    for s, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, 42)),
+    # ids in [0, e) at any e (others are undefined without validate: an id of 42 at e = 16 made the replay "every
+    # pair on one expert" an all-zero output); that one expert is local in the map, so both calls load it
+    same_k = (torch.arange(k, dtype=torch.int32, device="cuda").repeat(t, 1) * 7 + 1) % e
+    one = int(torch.nonzero(emap >= 0)[0])
+    for s, new_ids in ((1, uniform_ids(t, k, e, 1)), (2, same_k), (3, torch.full_like(ids, one)),
                        (4, uniform_ids(t, k, e, 4))):
         x.copy_(make_tokens(t, SMALL["d"], dtype, s))
         w.copy_(routing_weights(t, k, s))

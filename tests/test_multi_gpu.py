@@ -143,6 +143,7 @@ def test_calls_alternating_between_two_gpus():
 _FRESH = textwrap.dedent("""
     import torch, hipkern
     from hipkern.reference import fused_moe_ref, paged_attention_ref, topk_softmax_ref
+    from hipkern.testing import checkAllclose, rows_scaled
     torch.cuda.set_device(0)
     g = torch.Generator(device="cuda:1").manual_seed(1)
     x = torch.randn(33, 64, generator=g, device="cuda:1")
@@ -168,7 +169,9 @@ _FRESH = textwrap.dedent("""
     o = torch.full_like(q, float("nan"))
     hipkern.paged_attention_decode(q, kc, vc, bt, cl, out=o)
     ro, _ = paged_attention_ref(*(a.cpu() for a in (q, kc, vc, bt, cl)))
-    assert torch.allclose(o.cpu().float(), ro.float(), atol=2e-2, rtol=2e-2), "paged_attention_decode"
+    # the tests' bf16 tolerance with atol scaled by each row's size (pa_cases.check_out): outputs of long rows are
+    # small, and an unscaled 2e-2 let a kernel that drops a row's last tokens pass
+    assert checkAllclose(*rows_scaled(o.cpu(), ro), atol=8e-3, rtol=8e-3) == 0, "paged_attention_decode"
     assert torch.cuda.current_device() == 0
     print("fresh process: ok")
 """)

@@ -454,7 +454,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
             (choose_config), else choose_variant's.
 
     Accumulation is fp32; for bf16/fp16 the intermediate act(gate) * up is rounded to the input dtype
-    before the second product, as vLLM does. The result is bitwise deterministic (no float atomics),
+    before the second product, as vLLM does (vLLM also rounds gate, up and each slot's product to the input
+    dtype; here they stay fp32). The result is bitwise deterministic (no float atomics),
     and nothing syncs with the host (CUDA-graph capturable) unless validate=True.
     """
     allow_tf32, validate = as_bool(allow_tf32), as_bool(validate)
