@@ -51,7 +51,7 @@ import warnings
 from pathlib import Path
 
 __all__ = ["Schema", "Choice", "register", "lookup", "bucket", "shipped_results_dir", "reset", "positive_ints",
-           "parse_row"]
+           "parse_row", "generation"]
 
 log = logging.getLogger("hipkern.tuning")
 COMMON = ("arch", "cu_count", "variant", "us", "tbps", "err", "date", "commit")
@@ -158,12 +158,21 @@ def register(schema: Schema) -> None:
     _schemas[schema.op] = schema
 
 
+_generation = [0]  # counts reset()s: callers that memoise what a lookup chose key on it
+
+
+def generation() -> int:
+    """How many times reset() has run: a cache of lookup results is stale once this changes."""
+    return _generation[0]
+
+
 def reset() -> None:
     """Forget loaded files and memoised lookups (tests; after changing HIPKERN_TUNING_DB)."""
     with _lock:
         _tables.clear()
         _memo.clear()
         _log_failed.clear()
+        _generation[0] += 1
 
 
 class _Table:

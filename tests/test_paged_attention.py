@@ -346,6 +346,39 @@ def test_deterministic(variant):
 
 
 @pytest.mark.gpu
+def test_launch_plans_are_memoised_by_what_they_depend_on(monkeypatch):
+    """An eager call derives its launch (the database's variant, heads a block, the plan) once per shape: the
+    same call again asks no lookup; a database reset, a pinned candidate (the tuner replaces _lookup) or another
+    shape asks again, and each call's output matches the reference."""
+    from hipkern import tuning_db
+    from hipkern.ops import paged_attention as pa
+
+    asked = []
+    real = pa._lookup
+
+    def counting(*args):
+        asked.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(pa, "_lookup", counting)
+    monkeypatch.setattr(pa, "_PLANS", {})
+    for lens in ([300, 17, 64], [300, 17, 64], [5, 9], [300, 17, 64]):
+        q, k, v, bt, cl = make_case(lens)
+        out = hipkern.paged_attention_decode(q, k, v, bt, cl, out=poison(torch.empty_like(q)))
+        assert check_out(out, paged_attention_ref(q, k, v, bt, cl)[0]) == 0
+    assert asked == [3, 2]
+    tuning_db.reset()
+    hipkern.paged_attention_decode(q, k, v, bt, cl)
+    assert asked == [3, 2, 3]
+    with pinned(Candidate.of("v16", partition_size=64)):  # the tuner's pin: its own lookup, its own plans
+        out = hipkern.paged_attention_decode(q, k, v, bt, cl, out=poison(torch.empty_like(q)))
+        assert check_out(out, paged_attention_ref(q, k, v, bt, cl)[0]) == 0
+        plan = [p for key, (_, _, p) in pa._PLANS.items() if key[11] is pa._lookup]
+        assert [(p.num_partitions, p.partition_size) for p in plan] == [(math.ceil(bt.shape[1] * 16 / 64), 64)]
+    assert asked == [3, 2, 3]
+
+
+@pytest.mark.gpu
 def test_torch_compile():
     q, k, v, bt, cl = make_case([100, 900], num_kv_heads=2, group=4)
 

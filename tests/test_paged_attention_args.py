@@ -235,6 +235,25 @@ def test_reference_handles_both_layouts():
     assert (a[0][1] == 0).all() and (a[1][1] == -math.inf).all()
 
 
+def test_byte_spans_of_contiguous_tensors_take_the_short_way_to_the_same_answer():
+    """_byte_span answers contiguous tensors from numel alone (every eager call checks overlaps): the same span
+    as the strides give, also for size-1 dimensions with odd strides; other layouts by their strides."""
+    from hipkern.ops._common import _byte_span
+
+    def by_strides(t):
+        reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
+
+    base = torch.randn(6, 8, 128)
+    cases = [base, base[2:4], base[3], base.as_strided((1, 8, 128), (4096, 128, 1), 256),
+             torch.randn(3, 5).half(), torch.ones(1)]
+    for t in cases:
+        assert t.is_contiguous() and _byte_span(t) == by_strides(t)
+    for t in (base[:, ::2], base.transpose(0, 1), base[:, 2:5], base[:, :1]):  # not contiguous: the strides' reach
+        assert not t.is_contiguous() and _byte_span(t) == by_strides(t)
+    assert _byte_span(base[:0]) == (0, 0)
+
+
 def test_out_overlapping_an_input_is_rejected_at_launch():
     """Blocks write their heads' output rows while other blocks still read query rows (and the cache):
     out may be query itself (in place), but share no other memory with an input. Checked at launch

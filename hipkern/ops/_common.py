@@ -69,10 +69,14 @@ def is_float32(v) -> bool:
 
 def _byte_span(t: torch.Tensor) -> tuple:
     """[first, last) byte addresses that t's elements lie in (empty for no elements)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return 0, 0
-    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-    return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
+    p = t.data_ptr()
+    if t.is_contiguous():  # (the common case, without the strides' sum: checked on every eager call)
+        return p, p + n * t.element_size()
+    reach = sum((size - 1) * st for size, st in zip(t.shape, t.stride()) if st > 0)
+    return p, p + (reach + 1) * t.element_size()
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

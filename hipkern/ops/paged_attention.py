@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 
 import torch
 
@@ -423,22 +424,8 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
     nb = min(nb, 2**31 - 1)  # block ids are int32: blocks past that cannot be named (an expanded cache)
     dev = query.get_device()
     mod = module_for("paged_attention", dev, dtype=DTYPE_NAMES[query.dtype], head_size=head_size)
-    params = {}
-    if not variant:
-        variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, block_tables.shape[1] * bs)
-    if num_seqs > VARIANTS[variant].max_seqs:  # a (nearest) database row's choice
-        variant, params = "v16", {}
-    var = VARIANTS[variant]
-    kernel = KERNELS[var.kernel]
-    if not kernel_runs(var, head_size, mod.wave_size()):
-        raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
-                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
-    group = num_q_heads // hkv
-    max_tokens = block_tables.shape[1] * bs
-    params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev))
-    shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev), mod.wave_size(),
-                       resident_blocks(mod, var.kernel, heads_per_block(var, group, params), dev), params)
-    plan = _plan(variant, shape, tuple(sorted(params.items())))
+    kernel_code, hpb, plan = _launch_plan(dev, mod, query, head_size, bs, hkv, kv_layout, block_tables.shape[1],
+                                          variant)
     part_o = part_ml = seq_parts = None
     if plan.per_sequence:  # sized from shapes only: capturable in a CUDA graph
         items = num_seqs + plan.num_partitions
@@ -457,9 +444,56 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
         part_ml.data_ptr() if part_ml is not None else None, num_seqs, num_q_heads, hkv, bs.bit_length() - 1,
         block_tables.shape[1], nb, 1 if plan.per_sequence else plan.num_partitions, plan.partition_size,
         plan.num_partitions if plan.per_sequence else 0, seq_parts.data_ptr() if seq_parts is not None else None,
-        kernel.code, shape.heads_per_block, scale, dev, raw_stream(dev))
+        kernel_code, hpb, scale, dev, raw_stream(dev))
     if rc:
         mod.check(rc, "paged_attention_decode")
+
+
+_NO_LSE: dict = {}
+
+
+def _no_lse(device) -> torch.Tensor:
+    """An empty float32 tensor on `device` standing for "no LSE" (the launcher's lse.numel() == 0), made once."""
+    t = _NO_LSE.get(device)
+    if t is None:
+        t = _NO_LSE[device] = torch.empty(0, dtype=torch.float32, device=device)
+    return t
+
+
+# What a call launches, by what it depends on: the module, the shapes, the variant asked for, and what the lookup
+# reads (the database's generation, HIPKERN_ARCH, the lookup function itself: the tuner pins candidates by
+# replacing it). An eager call spent ~15 us of host time deriving it (H200 host, NOTES.md 2026-11-28 (13)).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _launch_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, variant) -> tuple:
+    """(kernel code, heads per block, Plan) of a call, memoised in _PLANS."""
+    num_seqs, num_q_heads = query.shape[0], query.shape[1]
+    key = (dev, mod, query.dtype, num_seqs, num_q_heads, head_size, bs, hkv, kv_layout, max_blocks, variant,
+           _lookup, tuning_db.generation(), os.environ.get("HIPKERN_ARCH"))
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
+    params = {}
+    max_tokens = max_blocks * bs
+    if not variant:
+        variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, max_tokens)
+    if num_seqs > VARIANTS[variant].max_seqs:  # a (nearest) database row's choice
+        variant, params = "v16", {}
+    var = VARIANTS[variant]
+    if not kernel_runs(var, head_size, mod.wave_size()):
+        raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
+                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
+    group = num_q_heads // hkv
+    params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev))
+    shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev), mod.wave_size(),
+                       resident_blocks(mod, var.kernel, heads_per_block(var, group, params), dev), params)
+    found = (KERNELS[var.kernel].code, shape.heads_per_block, _plan(variant, shape, tuple(sorted(params.items()))))
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = found
+    return found
 
 
 def _check_direct(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out,
@@ -566,10 +600,12 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     variant = variant or ""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    lse = torch.empty(query.shape[:2] if return_lse else (0,), dtype=torch.float32, device=query.device)
     if torch.compiler.is_compiling():
+        lse = torch.empty(query.shape[:2] if return_lse else (0,), dtype=torch.float32, device=query.device)
         torch.ops.hipkern.paged_attention_decode.default(query, key_cache, value_cache, block_tables, context_lens,
                                                          scale, kv_layout, variant, out, lse)
     else:
+        lse = (torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if return_lse
+               else _no_lse(query.device))
         _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse)
     return (out, lse) if return_lse else out
