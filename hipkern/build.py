@@ -33,6 +33,8 @@ def main(argv=None) -> int:
                     help="build only the modules whose name contains this (repeatable: any of them)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ap.add_argument("--prune", action="store_true",
+                    help="then remove the selected modules' builds under older keys (old sources, compilers, flags)")
     args = ap.parse_args(argv)
     try:
         archs = [jit.platform.check_arch(a) for a in args.arch] if args.arch else [jit.current_arch()]
@@ -78,6 +80,9 @@ def main(argv=None) -> int:
                 print(f"    {k['regs']:>5} {k['shared_bytes']:>8} {k['spills']:>12} {local_bytes(k):>10}  "
                       f"{_short(k['kernel'])}")
         print(f"== {arch}: done in {time.perf_counter() - t0:.1f}s, {failures} failures so far ==")
+        if args.prune:
+            gone = jit.builder.prune(specs, arch)
+            print(f"== {arch}: pruned {len(gone)} cache entries of older builds ==")
     return 1 if failures else 0
 
 

@@ -231,3 +231,43 @@ def test_ctrl_c_stops_the_build_command_before_the_queued_modules(monkeypatch, c
     assert "interrupted" in capsys.readouterr().err
     time.sleep(0.5)  # the one running build ends; no queued one starts
     assert len(started) <= 1 < len(jit.all_specs())
+
+
+def test_prune_removes_older_builds_of_the_selected_modules_only(jit_dir, tiny_root, tmp_path):
+    """Every edit of a shared header leaves a set of builds under old keys; --prune removes those of the modules
+    it is given (folder, lock, failed log, killed builds' folders), keeps the current build and anything else."""
+    toolchain_or_skip("sm_90", tmp_path)
+    old = jit.build(tiny_spec(tiny_root), "sm_90").path.parent
+    src = tiny_root / "tiny" / "tiny.hip"
+    src.write_text(src.read_text() + "\n// edited\n")
+    new = jit.build(tiny_spec(tiny_root), "sm_90").path.parent
+    arch_dir = jit_dir / "sm_90"
+    killed = arch_dir / f".tmp-{old.name}-4242-99"
+    killed.mkdir()
+    (arch_dir / f"{old.name}.failed.log").write_text("an old failure\n")
+    other = arch_dir / "someone-else-0123456789abcdef0123"
+    other.mkdir()
+    assert old != new and (arch_dir / f"{old.name}.lock").exists()
+    removed = builder.prune([tiny_spec(tiny_root)], "sm_90")
+    assert {p.name for p in removed} == {old.name, f"{old.name}.lock", f"{old.name}.failed.log", killed.name}
+    assert not old.exists() and not killed.exists() and not (arch_dir / f"{old.name}.lock").exists()
+    assert new.exists() and other.exists() and (new / "tiny.so").is_file()
+    assert builder.prune([tiny_spec(tiny_root)], "sm_90") == []
+    assert builder._entry_module(f".tmp-{new.name}-1-2") == ("tiny", new.name.split("-")[-1])
+    assert builder._entry_module("rocm-device-libs-gfx942-abc") is None
+
+
+def test_the_build_command_prunes_after_building_when_asked(monkeypatch, capsys):
+    from hipkern import build
+
+    class Built:
+        path, built, seconds, resources = Path("/nowhere/x.so"), False, 0.0, []
+
+    pruned = []
+    monkeypatch.setattr(jit, "build", lambda spec, arch, force: Built())
+    monkeypatch.setattr(builder, "Module", lambda spec, arch, path: None)
+    monkeypatch.setattr(builder, "prune", lambda specs, arch: pruned.append((len(specs), arch)) or [Path("a")])
+    assert build.main(["--arch", "sm_90", "--only", "topk_softmax", "--prune"]) == 0
+    assert pruned == [(len(build.select(["topk_softmax"])), "sm_90")]
+    assert "== sm_90: pruned 1 cache entries of older builds ==" in capsys.readouterr().out
+    assert build.main(["--arch", "sm_90", "--only", "topk_softmax"]) == 0 and len(pruned) == 1

@@ -34,7 +34,7 @@ from .modules import ModuleSpec
 from .platform import JitError, check_arch, current_arch, platform_of
 from .toolchain import find_toolchain, parse_resources, supported_wave
 
-__all__ = ["Module", "BuildResult", "build", "load", "module_key"]
+__all__ = ["Module", "BuildResult", "build", "load", "module_key", "prune"]
 
 log = logging.getLogger("hipkern.jit")
 
@@ -182,6 +182,53 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
                        "free space there, or set HIPKERN_JIT_DIR to a writable private directory") from e
     built = seconds is not None
     return BuildResult(spec, arch, so, built, seconds if built else time.perf_counter() - t0, _resources(final_dir))
+
+
+def _entry_module(entry: str) -> tuple | None:
+    """(module name, key) of a cache entry: <name>-<key>[.lock|.failed.log] or a build's .tmp-<name>-<key>-<pid>-<tid>;
+    None for anything else."""
+    if entry.startswith(".tmp-"):
+        parts = entry[len(".tmp-"):].rsplit("-", 2)
+        if len(parts) != 3:
+            return None
+        entry = parts[0]
+    for suffix in (".lock", ".failed.log"):
+        if entry.endswith(suffix):
+            entry = entry[: -len(suffix)]
+    name, sep, key = entry.rpartition("-")
+    if not sep or len(key) != 20 or any(c not in "0123456789abcdef" for c in key):
+        return None
+    return name, key
+
+
+def prune(specs, arch: str) -> list[Path]:
+    """Remove from the cache the builds of `specs` for `arch` under keys other than their current ones (older
+    sources, compilers or flags: every edit of a shared header leaves a set), with their lock and failed-build
+    files and killed builds' temporary folders, each under its module's lock. Entries of other names are left
+    alone. Returns what was removed."""
+    arch = check_arch(arch)
+    root = cache_root()
+    arch_dir = root / arch
+    if not arch_dir.is_dir():
+        return []
+    toolchain = find_toolchain(arch, root)
+    current = {s.name: module_key(s, arch, toolchain) for s in specs}
+    removed, stale = [], set()
+    for entry in sorted(arch_dir.iterdir()):
+        found = _entry_module(entry.name)
+        if found is None or found[0] not in current or found[1] == current[found[0]]:
+            continue
+        stale.add(found)
+        removed.append(entry)
+        if not entry.name.endswith(".lock"):
+            with file_lock(arch_dir / f"{found[0]}-{found[1]}.lock", f"pruning {found[0]} for {arch}"):
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+    for name, key in stale:  # the old keys' lock files last, once nothing of theirs is left
+        (arch_dir / f"{name}-{key}.lock").unlink(missing_ok=True)
+    return removed
 
 
 def _resources(final_dir: Path) -> list:
