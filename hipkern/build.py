@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     ap.add_argument("--prune", action="store_true",
-                    help="then remove the selected modules' builds under older keys (old sources, compilers, flags)")
+                    help="then remove the selected modules' builds under other keys than the current ones (older "
+                         "sources, compilers, flags; also another install's, if it shares the cache)")
     args = ap.parse_args(argv)
     try:
         archs = [jit.platform.check_arch(a) for a in args.arch] if args.arch else [jit.current_arch()]
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
             wait([f for _, f in futures])
         except KeyboardInterrupt:  # Ctrl-C: no queued module starts (the running compilers got the signal too)
             pool.shutdown(wait=False, cancel_futures=True)
-            print("python -m hipkern.build: interrupted", file=sys.stderr)
+            print("python -m hipkern.build: interrupted; no queued module starts (running compilers stop with "
+                  "the signal, or finish first if only this process got it)", file=sys.stderr)
             return 130
         pool.shutdown()
         print(f"== {arch}: {len(specs)} modules ==")

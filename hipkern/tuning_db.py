@@ -22,9 +22,9 @@ Lookup (``lookup(op, arch, cu_count, device_name=..., **shape)``), in this order
 2. nearest: among rows with the same exact keys, the smallest distance, where distance is the sum
    over bucket keys of |log2(a) - log2(b)|, plus 0.5 when cu_count differs and 0.25 when the row is
    another device's (an H200 takes an H100's row of its own shape before its own row of a shape one
-   bucket away); ties go to the row with the larger buckets (tuned for more work), then to one device
-   throughout (the one with the most rows, then by name: a GPU with no rows of its own takes one device's
-   choices, not a mix), then to the newer date;
+   bucket away); ties go to the row with the larger buckets (tuned for more work), then to this GPU's own
+   row, then to one device throughout (the one with the most rows, then by name: a GPU with no rows of its
+   own takes one device's choices, not a mix), then to the newer date;
 3. none: the op uses its heuristic default.
 
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
@@ -277,8 +277,8 @@ class _Table:
         for r in self.groups.get(exact, ()):
             dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
             dist += 0.5 * (r["cu_count"] != cu_count) + 0.25 * (r[DEVICE] not in ("", device))
-            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), self.device_rank[r[DEVICE]],
-                    _date_rank(r.get("date") or ""))
+            rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), r[DEVICE] != device,
+                    self.device_rank[r[DEVICE]], _date_rank(r.get("date") or ""))
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
         return (best, "nearest") if best is not None else (None, None)

@@ -271,3 +271,57 @@ def test_the_build_command_prunes_after_building_when_asked(monkeypatch, capsys)
     assert pruned == [(len(build.select(["topk_softmax"])), "sm_90")]
     assert "== sm_90: pruned 1 cache entries of older builds ==" in capsys.readouterr().out
     assert build.main(["--arch", "sm_90", "--only", "topk_softmax"]) == 0 and len(pruned) == 1
+
+
+def test_a_lock_file_unlinked_while_waited_on_is_not_taken(tmp_path):
+    """--prune unlinks old keys' lock files: a waiter that had opened one must lock the file now at that path,
+    not the unlinked one (else two processes could hold "the" lock at once)."""
+    import fcntl
+
+    lock = tmp_path / "x.lock"
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    got = []
+
+    def waiter():
+        with _lock.file_lock(lock, "testing"):
+            got.append(os.stat(lock).st_ino)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.3)  # the waiter has opened the old file and waits on it
+    lock.unlink()
+    other = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # another process's new lock file, taken
+    fcntl.flock(other, fcntl.LOCK_EX)
+    fcntl.flock(held, fcntl.LOCK_UN)
+    os.close(held)
+    time.sleep(0.3)
+    assert not got  # it did not take the unlinked file's lock
+    fcntl.flock(other, fcntl.LOCK_UN)
+    os.close(other)
+    t.join(timeout=10)
+    assert got == [os.stat(lock).st_ino]
+
+
+def test_nvcc_ccbin_may_name_the_host_compilers_directory(tmp_path, monkeypatch):
+    toolchain_or_skip("sm_90", tmp_path)
+    d = tmp_path / "hostbin"
+    d.mkdir()
+    for n in ("gcc", "g++"):
+        (d / n).write_text(f"#!/bin/sh\necho '{n} (Dir) 7.7'\n")
+        (d / n).chmod(0o755)
+    monkeypatch.setenv("NVCC_CCBIN", str(d))
+    version = toolchain.find_toolchain("sm_90", tmp_path).version
+    assert "| host gcc (Dir) 7.7" in version and "| host g++ (Dir) 7.7" in version
+
+
+def test_an_os_error_outside_the_cache_is_not_blamed_on_it(jit_dir, tiny_root, tmp_path, monkeypatch):
+    toolchain_or_skip("sm_90", tmp_path)
+
+    def vanished(*args):
+        raise FileNotFoundError(2, "No such file or directory", str(tiny_root / "tiny" / "tiny.hip"))
+
+    monkeypatch.setattr(builder, "_compile", vanished)
+    with pytest.raises(FileNotFoundError):
+        jit.build(tiny_spec(tiny_root), "sm_90")

@@ -139,3 +139,19 @@ def test_the_fused_moe_adapter_rejects_a_candidate_wrong_only_under_skewed_routi
     status, us, err, note, fatal, extra = core.measure(bench, cand, ("skewed_us",))
     assert status == "rejected" and note.startswith("WrongResult: skewed routing") and not fatal
     assert core.settled(FAKE_SCHEMA, {"status": status, "variant": "grouped", "note": note})
+
+
+def test_a_gpu_s_own_row_wins_a_tie_with_rows_of_no_device(tmp_path, monkeypatch):
+    """Rows without a device (files from before the column) are as near as the GPU's own: its own row wins
+    the tie, however many rows without a device there are (the device tie-break ranks only the others)."""
+    path = tmp_path / "faketune.csv"
+    rows = [_row(Candidate("a"), 5.0, batch=b, device="", date="2026-11-20") for b in (1, 32, 64, 128)]
+    rows += [_row(Candidate("b"), 5.0, batch=1, device="GPU B", date="2026-11-28")]
+    core.write_csv(path, rows, FAKE_SCHEMA.columns)
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(path))
+    tuning_db.reset()
+    try:
+        got = tuning_db.lookup("faketune", "sm_90", 132, device_name="GPU B", kind="ok", width=8, batch=2)
+        assert (got.variant, got.row["device"], got.source) == ("b", "GPU B", "nearest")
+    finally:
+        tuning_db.reset()

@@ -31,12 +31,23 @@ def file_lock(path, what: str):
         tlock = _thread_locks.setdefault(str(path), threading.Lock())
     # flock is per open file, so threads of this process queue here first
     if not tlock.acquire(timeout=-1 if timeout >= threading.TIMEOUT_MAX else timeout):
-        raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}), held by another "
-                       "thread of this process (HIPKERN_JIT_LOCK_TIMEOUT)")
+        raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}) behind another thread "
+                       "of this process, which holds it or waits for it too (HIPKERN_JIT_LOCK_TIMEOUT)")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                _acquire(fd, path, what, timeout, deadline)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, path):
+                break
+            # the file was unlinked (hipkern.build --prune removes old keys' locks) while we waited on it: a new
+            # one may be another process's lock, so take that one instead
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
         try:
-            _acquire(fd, path, what, timeout, deadline)
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
@@ -45,6 +56,13 @@ def file_lock(path, what: str):
             os.close(fd)
     finally:
         tlock.release()
+
+
+def _same_file(fd, path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _timeout() -> float:

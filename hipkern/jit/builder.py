@@ -178,6 +178,8 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
                 seconds = _compile(spec, arch, toolchain, final_dir, key)
                 _rebuilt.add((spec.name, arch))
     except OSError as e:  # a full or read-only cache: the cache, not the module, is at fault
+        if not str(e.filename or "").startswith(str(arch_dir)):
+            raise  # (a source that vanished mid-build, say: not the cache's fault)
         raise JitError(f"building module {spec.name} for {arch}: the JIT cache {arch_dir} cannot be written ({e}); "
                        "free space there, or set HIPKERN_JIT_DIR to a writable private directory") from e
     built = seconds is not None
@@ -205,7 +207,8 @@ def prune(specs, arch: str) -> list[Path]:
     """Remove from the cache the builds of `specs` for `arch` under keys other than their current ones (older
     sources, compilers or flags: every edit of a shared header leaves a set), with their lock and failed-build
     files and killed builds' temporary folders, each under its module's lock. Entries of other names are left
-    alone. Returns what was removed."""
+    alone. Another hipkern sharing the cache (another checkout or environment) has other keys too: its builds
+    go, and it builds them again. Returns what was removed."""
     arch = check_arch(arch)
     root = cache_root()
     arch_dir = root / arch
@@ -226,8 +229,10 @@ def prune(specs, arch: str) -> list[Path]:
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
-    for name, key in stale:  # the old keys' lock files last, once nothing of theirs is left
-        (arch_dir / f"{name}-{key}.lock").unlink(missing_ok=True)
+    for name, key in stale:  # the old keys' lock files last, each while held (file_lock re-checks its file)
+        lock = arch_dir / f"{name}-{key}.lock"
+        with file_lock(lock, f"pruning {name} for {arch}"):
+            lock.unlink(missing_ok=True)
     return removed
 
 
