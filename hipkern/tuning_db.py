@@ -41,6 +41,7 @@ that op and arch are shipped). A file in the variable with another op's columns 
 """
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import logging
@@ -190,9 +191,7 @@ class _Table:
         # Among other devices' rows that tie, one device throughout (the one with the most rows, then by name),
         # so that a GPU with none of its own (an H100 NVL, a GH200) takes one device's choices, not a mix of two
         # by the rows' dates.
-        counts: dict = {}
-        for row in self.exact.values():
-            counts[row[DEVICE]] = counts.get(row[DEVICE], 0) + 1
+        counts = collections.Counter(row[DEVICE] for row in self.exact.values())
         self.device_rank = {d: i for i, d in enumerate(sorted(counts, key=lambda d: (-counts[d], d)))}
 
     def _exact_part(self, row) -> tuple:

@@ -216,24 +216,22 @@ def prune(specs, arch: str) -> list[Path]:
         return []
     toolchain = find_toolchain(arch, root)
     current = {s.name: module_key(s, arch, toolchain) for s in specs}
-    removed, stale = [], set()
+    stale: dict = {}  # (name, old key) -> its entries
     for entry in sorted(arch_dir.iterdir()):
         found = _entry_module(entry.name)
-        if found is None or found[0] not in current or found[1] == current[found[0]]:
-            continue
-        stale.add(found)
-        removed.append(entry)
-        if not entry.name.endswith(".lock"):
-            with file_lock(arch_dir / f"{found[0]}-{found[1]}.lock", f"pruning {found[0]} for {arch}"):
+        if found is not None and found[0] in current and found[1] != current[found[0]]:
+            stale.setdefault(found, []).append(entry)
+    for (name, key), entries in sorted(stale.items()):
+        lock = arch_dir / f"{name}-{key}.lock"
+        # its lock file goes last, while held (file_lock re-checks that it holds the file at the path)
+        with file_lock(lock, f"pruning {name} for {arch}"):
+            for entry in entries:
                 if entry.is_dir():
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
-    for name, key in stale:  # the old keys' lock files last, each while held (file_lock re-checks its file)
-        lock = arch_dir / f"{name}-{key}.lock"
-        with file_lock(lock, f"pruning {name} for {arch}"):
             lock.unlink(missing_ok=True)
-    return removed
+    return [entry for entries in stale.values() for entry in entries]
 
 
 def _resources(final_dir: Path) -> list:

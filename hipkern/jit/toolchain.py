@@ -203,13 +203,15 @@ def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
         nvcc = _find_nvcc()
         # nvcc preprocesses and compiles a module's host code with the gcc it finds on PATH and links with g++,
         # or with the compiler NVCC_CCBIN names: their versions are part of what a module is built with.
+        def versions(names):
+            return [_version(path) for name in names if (path := shutil.which(name))]
+
         ccbin = os.environ.get("NVCC_CCBIN")
         names = ("gcc", "g++")
         if ccbin:  # a compiler, or (as nvcc's -ccbin takes too) the directory holding gcc and g++
             names = tuple(os.path.join(ccbin, n) for n in names) if os.path.isdir(ccbin) else (ccbin,)
-        hosts = [_version(path) for name in names if (path := shutil.which(name))]
-        if ccbin and not hosts:  # a name nvcc may resolve otherwise: PATH's compilers at least
-            hosts = [_version(path) for name in ("gcc", "g++") if (path := shutil.which(name))]
+        # (a name nvcc may resolve otherwise: PATH's compilers at least)
+        hosts = versions(names) or versions(("gcc", "g++"))
         return Toolchain("cuda", nvcc, " | host ".join([_version(nvcc)] + hosts))
     clang, rocm = _find_hip_clang()
     libs = _device_libs(rocm, arch, cache_dir)

@@ -447,6 +447,12 @@ def perftest_us(fn, *args, iters: int, warmup: int, **kwargs) -> float:
     return run_perftest(fn, *args, num_iters=iters, num_warmup=warmup, **kwargs)[1]
 
 
+def output_errors(out, got, ref, tol: dict) -> tuple:
+    """(non-finite elements of the NaN-poisoned output `out`, checkAllclose's mismatch share of `got`, the checked
+    part of it, against `ref`): a candidate's output is right where both are 0."""
+    return int((~torch.isfinite(out)).sum()), checkAllclose(got, ref, printLog=False, **tol)
+
+
 def measure(bench, cand, measures=()) -> tuple:
     """(status, us, err, note, fatal, {measure: us}): run `cand` once into a NaN-poisoned output,
     reject it on any non-finite element or a checkAllclose mismatch against the reference, else time
@@ -455,9 +461,8 @@ def measure(bench, cand, measures=()) -> tuple:
         with bench.use(cand):
             out = poison(bench.new_output())
             bench.call(out)
-            bad = int((~torch.isfinite(out)).sum())
             got, ref = bench.checked(out)
-            err = checkAllclose(got, ref, printLog=False, **bench.tol)
+            bad, err = output_errors(out, got, ref, bench.tol)
             if bad:
                 return ("rejected", None, 1.0, f"{bad} of {out.numel()} output elements non-finite (NaN-poisoned "
                         "output)", False, {})

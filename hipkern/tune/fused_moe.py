@@ -30,8 +30,8 @@ from ..ops.fused_moe import (VARIANT, block_ms_for, choose_variant, decode_fits,
                               gemv_fits, gemv_variants)
 from ..ops.moe_sorting import MAX_EXPERTS
 from ..reference import fused_moe_ref
-from ..testing import checkAllclose, poison
-from .core import Candidate, Pruned, WrongResult, arch_info, gpu_info, perftest_us
+from ..testing import poison
+from .core import Candidate, Pruned, WrongResult, arch_info, gpu_info, output_errors, perftest_us
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOL = {"float32": dict(atol=1e-5, rtol=1e-3), "bfloat16": dict(atol=1e-2, rtol=1e-2),
@@ -186,8 +186,7 @@ class _Bench:
         out = poison(torch.empty_like(self.x))
         fused_moe(self.x, self.w1, self.w2, self.tw, self.skewed_ids, out=out, block_m=self.block_m,
                   variant=self.variant)
-        bad = int((~torch.isfinite(out)).sum())
-        err = checkAllclose(out[: self.n], self.skewed_ref, printLog=False, **self.tol)
+        bad, err = output_errors(out, out[: self.n], self.skewed_ref, self.tol)
         if bad or err > 0:
             raise WrongResult(f"skewed routing: {bad} non-finite output elements (NaN-poisoned output), "
                               f"checkAllclose mismatch on {err:.2%} of the checked elements")

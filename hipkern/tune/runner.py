@@ -202,12 +202,14 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
               "into their device column", flush=True)
     usable = {}  # shape key -> candidates with a usable row of this GPU
     for r in measured:
-        if core.gpu_kind(r) == kind and core.usable(schema, r):
-            usable.setdefault(shape_key(schema, r), set()).add(candidate_of(schema, r).name)
-    if skip_done:  # (a candidate rejected for an error is measured again: the error may have been the machine's)
-        for r in measured:
-            if core.gpu_kind(r) == kind and core.settled(schema, r):
-                done.setdefault(shape_key(schema, r), set()).add(candidate_of(schema, r).name)
+        if core.gpu_kind(r) != kind:
+            continue
+        key, name, ok = shape_key(schema, r), candidate_of(schema, r).name, core.usable(schema, r)
+        if ok:
+            usable.setdefault(key, set()).add(name)
+        # (a candidate rejected for an error is measured again: the error may have been the machine's)
+        if skip_done and (ok or core.settled(schema, r)):
+            done.setdefault(key, set()).add(name)
     jobs, same, dominated = [], 0, 0
     for i, shape in enumerate(shapes):
         pr = adapter.candidates(shape, info)
