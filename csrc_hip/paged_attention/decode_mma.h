@@ -30,8 +30,9 @@
 // memory, and O += P V with P from registers (the accumulators turned into A fragments, as for
 // mma.sync) and V read as an MN-major operand, so no K, V or Q fragment passes through registers.
 // Q, K and V then sit in 128-byte-swizzled atoms (Sw128, unpadded rows) and no P goes through shared
-// memory. At head size 256 (Cfg::kWgCols) both warpgroups compute S for the whole tile and each
-// O += P V for half the columns: one (m, l) and no outputs to merge at the end.
+// memory, except at head size 256 (Cfg::kWgCols): each warpgroup computes S for its token half, and,
+// after a row-max exchange, O += P V for half the columns over the whole tile, the other half's P
+// read from shared memory: no outputs to merge at the end.
 // Tensor-map boxes (sm_90a, hipkern/tma.h; Cfg::kBoxes): each group of kBoxRows tokens of a K or V
 // tile (16; 8 for the 64-head blocks) is one box of a cache block (those tokens, one KV head, all
 // columns) issued by the thread of the group's first row, completion counted on the stage's mbarrier,
@@ -84,18 +85,23 @@ struct Cfg {
   // (On CDNA head size 256 does not fit the LDS: the split compiles there but never runs. The
   // exchanges are block barriers: with WM > 1 they would couple the head tiles.)
   static constexpr bool kSplitD = !kWg && D >= 256 && WN >= 4;
-  // kWgCols (the 64-head wgmma blocks at head size 256): each warpgroup computes S = Q K^T for the
-  // whole tile, the same bits in both, and O += P V for its D / 2 columns with P from its registers,
-  // so no P passes through shared memory, the warpgroups share one (m, l), and the block's end merges
-  // no outputs (64 KB of them a warpgroup otherwise) and sends a partial by bulk stores (finish()).
-  // Twice the QK^T and exponentials a tile; 197 -> 161 registers. H100 (NOTES.md, 2026-11-28): 8 /
-  // 32 x 2048 x 64:1 0.6 / 0.4 us faster, 16 x 2048 and 64 x 4096 0.2 us slower, 1 x 32768 level.
+  // kWgCols (the 64-head wgmma blocks at head size 256): each warpgroup computes S = Q K^T for its
+  // 32-token half of the tile, and, once the halves' row maxima met in shared memory, O += P V for
+  // its D / 2 columns over the whole tile: its own half's P from its registers, the other's from
+  // shared memory (written there as a K-major wgmma operand). The block's end merges no outputs (64
+  // KB of them a warpgroup otherwise) and sends a partial by bulk stores (finish()). Its first form
+  // computed S for the whole tile in both warpgroups (no exchange; twice the QK^T and exponentials):
+  // H200 graph replay (NOTES.md, 2026-11-28 (14)), 64:1 x 256: 64 x 4096 79.3-79.5 -> 78.3-78.5 us, 1 x
+  // 32768 26.0 -> 25.4, 8-32 x 2048 0.1-0.3 faster; 161 -> 159 registers. Not measured on an H100.
   static constexpr bool kWgCols = kWg && D >= 256;
-  static constexpr int kSTok = kWgCols ? kTile : kSlice;             // tokens of a wave's S
-  static constexpr int kOCols = kSplitD || kWgCols ? D / WN : D;     // output columns a wave holds
-  static constexpr int kOStates = kSplitD || kWgCols ? 1 : WN;       // output states the block's end merges
-  static constexpr int kMLStates = kWgCols ? 1 : WN;                 // (m, l) states it merges
+  static constexpr bool kSharedP = kSplitD || kWgCols;  // P through shared memory after a max exchange
+  static constexpr int kSTok = kSlice;                        // tokens of a wave's S
+  static constexpr int kOCols = kSharedP ? D / WN : D;        // output columns a wave holds
+  static constexpr int kOStates = kSharedP ? 1 : WN;          // output states the block's end merges
   static constexpr int kLdP = kTile + 8;
+  // kSharedP's scratch: P of the tile (kSplitD: [16 * WM][kLdP]; kWgCols: [kRows][kTile] in Sw128 atoms),
+  // then the slices' row maxima [WN][kRows] (floats)
+  static constexpr int kPElems = (kWgCols ? kTile : kLdP) * 16 * WM;
   static constexpr int kRows = 16 * WM;      // query heads per block
   typedef Sw128<T, D> L;                     // the layout of Q, K and V rows where kWg
   static constexpr int kLd = kWg ? D : D + 8;  // Q's shared row stride, elements (and K/V's unless kBoxes)
@@ -117,8 +123,9 @@ struct Cfg {
   // pipeline (reused by the merge) | row offsets of two tiles | token flags | (kBoxes) an mbarrier per
   // stage; kBoxes puts the pipeline first (its boxes 1024-byte aligned)
   static constexpr int kQ = kRows * kLd * (int)sizeof(T);
-  static constexpr int kScratch = kWg        ? 0
-                                  : kSplitD ? (WM * MT::M * kLdP * (int)sizeof(T) + WN * kRows * 4 + 15) / 16 * 16
+  static constexpr int kScratch = kWgCols  ? (kPElems * (int)sizeof(T) + WN * kRows * 4 + 1023) / 1024 * 1024
+                                  : kWg     ? 0
+                                  : kSplitD ? (kPElems * (int)sizeof(T) + WN * kRows * 4 + 15) / 16 * 16
                                             : kWaves * MT::M * MT::K * (int)sizeof(T);
   static constexpr int kStage = kTile * kLdKV * (int)sizeof(T);  // one K or V tile
   static constexpr int kPipe = 2 * kStages * kStage;
@@ -345,7 +352,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const T* q_w = q_s + wm * MT::M * C::kLd;
   T* tmp = scratch + wave * MT::M * MT::K;  // a_from_c's (neither kWg nor kSplitD)
   T* p_w = scratch + wm * MT::M * C::kLdP;  // kSplitD: P of the head tile, [16][kTile] (kLdP)
-  float* mx_s = reinterpret_cast<float*>(scratch + WM * MT::M * C::kLdP);  // kSplitD: [WN][kRows] row maxima
+  float* mx_s = reinterpret_cast<float*>(scratch + C::kPElems);  // kSharedP: [WN][kRows] row maxima
   float o[kND][MT::kC], m[MT::kRowSlots], l[MT::kRowSlots];
 #pragma unroll
   for (int n = 0; n < kND; ++n)
@@ -383,7 +390,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     }
 
     const int buf = tile % C::kStages;
-    const int s0 = C::kWgCols ? 0 : wn * C::kSlice;  // the wave's first token of S
+    const int s0 = wn * C::kSlice;  // the wave's first token of S
     const T* ks = k_s + (buf * C::kTile + s0) * C::kLdKV;  // (boxes: kb + kv_at(row, chunk))
     const T* vs = v_s + (buf * C::kTile + s0) * C::kLdKV;
     const T* kb = k_s + buf * C::kTile * C::kLdKV;
@@ -434,7 +441,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
       }
 #pragma unroll
     for (int r = 0; r < MT::kRowSlots; ++r) mx[r] = group_max<MT::kRowLanes>(mx[r]);
-    if constexpr (C::kSplitD) {  // every slice's row maxima: one running max for the head tile
+    if constexpr (C::kSharedP) {  // every slice's row maxima: one running max for the head tile
 #pragma unroll
       for (int i = 0; i < MT::kC; ++i)
         if (MT::c_col(i) == 0) mx_s[wn * C::kRows + wm * MT::M + MT::c_row(i)] = mx[MT::row_slot(i)];
@@ -452,12 +459,13 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     // new max only when one of the wave's rows rose more than kRescaleSlack above its m (always on the first
     // tile: m is -inf), so most tiles skip the output's rescale. The test is uniform over the wave, and each
     // lazy configuration keeps a state per wave (its rows, P and outputs), or under kWgCols the two waves
-    // that hold the same rows decide alike (the same S bits and m); under kSplitD, never lazy, the waves of
-    // a head tile would decide alike too (same rows, m and exchanged maxima). H100 (NOTES.md, 2026-11-27
+    // that hold the same rows decide alike (same rows, m and exchanged maxima); so would kSplitD's waves of a
+    // head tile, never lazy. H100 (NOTES.md, 2026-11-27
     // (14)): 64:1 x 256 shapes 0.1-0.9 us faster. With 64 (16-head blocks at head size 128) or 32 (the column
     // split) it measured level or 0.2-0.4 us slower: a short rescale is cheaper than the test in each tile's
     // chain, so those rescale every tile. kWgCols (64 a thread, with twice the exponentials in the chain)
-    // is lazy: up to 0.35 us faster than rescaling every tile on four of five 64:1 shapes (NOTES.md, 2026-11-28).
+    // is lazy: up to 0.35 us faster than rescaling every tile on four of five 64:1 shapes (NOTES.md, 2026-11-28,
+    // when its warpgroups computed S for the whole tile).
     constexpr bool kLazy = kND * MT::kC >= 128 || C::kWgCols;
     bool grow = true;
     if constexpr (kLazy) {
@@ -499,6 +507,18 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
       for (int kk = 0; kk < C::kSTok / 16; ++kk) MT::a_from_c(a[kk], &s[kk * 16 / MT::N], tmp);
       const uint64_t dv = wgmma_desc_sw128(vs, C::L::kSbo, C::L::kLbo);
+      typedef Sw128<T, C::kTile> PL;  // kWgCols: P of the tile in shared memory
+      if constexpr (C::kWgCols) {  // this half's P for the other warpgroup: A's words (mma.h) as they are
+        const int g = lane_id() / 4, t = lane_id() % 4, r0 = wm * MT::M + g;
+#pragma unroll
+        for (int kk = 0; kk < C::kSTok / 16; ++kk)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {  // (row g | g + 8) x (tokens 2t, 2t + 1 | + 8) of the 16-token step
+            const int r = r0 + 8 * (w % 2), tok = s0 + 16 * kk + 8 * (w / 2) + 2 * t;
+            *reinterpret_cast<uint32_t*>(scratch + PL::at(r, tok / C::kVec) + tok % C::kVec) = a[kk].r[w];
+          }
+        fence_async_shared();  // (for the other warpgroup's wgmma, after the barrier below)
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < C::kSTok / 16; ++kk)
@@ -508,6 +528,19 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
           Wgmma<T, kN>::mma_rt(d, a[kk].r,
                                wgmma_desc_add(dv, C::kv_at(16 * kk, (c0 + h * kN) / C::kVec) * sizeof(T)));
         }
+      if constexpr (C::kWgCols) {  // the other half's tokens, P from shared memory (its writes are before this barrier;
+        __syncthreads();           // they are rewritten after the next tile's first one, past every wave's wait)
+        const int o0 = (1 - wn) * C::kSlice;
+        const uint64_t dp = wgmma_desc_sw128(scratch, PL::kSbo), dvb = wgmma_desc_sw128(vb, C::L::kSbo, C::L::kLbo);
+#pragma unroll
+        for (int kk = 0; kk < C::kSlice / 16; ++kk)
+#pragma unroll
+          for (int h = 0; h < C::kOCols / kN; ++h) {
+            float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&o[h * kN / MT::N][0]);
+            Wgmma<T, kN>::mma_t(d, wgmma_desc_add(dp, PL::k16(o0 / 16 + kk) * sizeof(T)),
+                                wgmma_desc_add(dvb, C::kv_at(o0 + 16 * kk, (c0 + h * kN) / C::kVec) * sizeof(T)));
+          }
+      }
       wgmma_commit();
       wgmma_wait<0>();  // the tile's buffers are refilled after the next barrier
     } else if constexpr (C::kSplitD) {  // O += P V: P of every slice, then this wave's columns over the tile
@@ -560,7 +593,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   const int row0 = wn * C::kRows + wm * MT::M;
 #pragma unroll
   for (int i = 0; i < MT::kC; ++i) {
-    if (MT::c_col(i) == 0 && (C::kMLStates == C::WN || wn == 0)) {  // (kWgCols: both warpgroups hold the same)
+    if (MT::c_col(i) == 0) {
       m_w[row0 + MT::c_row(i)] = m[MT::row_slot(i)];
       l_w[row0 + MT::c_row(i)] = l[MT::row_slot(i)];
     }
@@ -571,8 +604,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
   constexpr bool kBulk = C::kOStates == 1 && C::kBoxes;  // a partial leaves by bulk stores (finish())
   if constexpr (kBulk) fence_async_shared();
   __syncthreads();
-  finish<T, D, C::kMLStates, C::kRows, C::kThreads, C::kLdA, C::kOStates, kBulk>(p, m_w, l_w, a_w, work,
-                                                                                  ml_s);
+  finish<T, D, C::WN, C::kRows, C::kThreads, C::kLdA, C::kOStates, kBulk>(p, m_w, l_w, a_w, work, ml_s);
   trace_point(6);
 }
 

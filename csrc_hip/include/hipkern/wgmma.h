@@ -11,6 +11,7 @@
 //                               of the warp's 16 rows, mma.h) and B MN-major (b: a descriptor with lbo)
 //   Wgmma<T, N>::mma_rk(d, a, b, add)  A from registers, B K-major (b as for mma); add = 0: d = A B
 //                               (d's values unread: the first product of a fresh accumulator)
+//   Wgmma<T, N>::mma_t(d, a, b)   A K-major in shared memory (a as for mma), B MN-major (b as for mma_rt)
 //   Sw128<T, K>                 rows of K elements in 128-byte-swizzled atoms: 8 rows x 128 bytes
 //                               (1024 B, 1024-byte aligned), the 16-byte chunk c of row r stored at
 //                               chunk c ^ (r % 8), a row group's K / 64 (16-bit) atoms adjacent;
@@ -105,6 +106,12 @@ template <typename T, int N> struct Wgmma;  // specialised below where kWgmma
         HK_WG_ASM(HK_WGMMA_TEXT(N, "bf16", P, AB, REGS, "0, 0") : __VA_ARGS__ : "l"(a), "l"(b), "r"(1)); \
       else                                                                                             \
         HK_WG_ASM(HK_WGMMA_TEXT(N, "f16", P, AB, REGS, "0, 0") : __VA_ARGS__ : "l"(a), "l"(b), "r"(1));  \
+    }                                                                                                  \
+    static HK_DEVICE void mma_t(float (&d)[N / 2], uint64_t a, uint64_t b) {                           \
+      if constexpr (std::is_same<T, bf16_t>::value)                                                    \
+        HK_WG_ASM(HK_WGMMA_TEXT(N, "bf16", P, AB, REGS, "0, 1") : __VA_ARGS__ : "l"(a), "l"(b), "r"(1)); \
+      else                                                                                             \
+        HK_WG_ASM(HK_WGMMA_TEXT(N, "f16", P, AB, REGS, "0, 1") : __VA_ARGS__ : "l"(a), "l"(b), "r"(1));  \
     }                                                                                                  \
     static HK_DEVICE void mma_rt(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {              \
       if constexpr (std::is_same<T, bf16_t>::value)                                                    \
