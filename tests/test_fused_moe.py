@@ -15,8 +15,9 @@ from hipkern.testing import checkAllclose, poison, poison_free_memory
 
 from conftest import sm90_build
 from moe_cases import (
-    BLOCK_MS, DTYPES, LARGE, ODD, SMALL, TOL, _gen, again, gemv_variants, graph_replay_with_new_routing,
-    half_remote, make_case, make_tokens, make_weights, reference, routing_weights, run_and_check, uniform_ids)
+    BLOCK_MS, DTYPES, LARGE, ODD, SMALL, TOL, _gen, again, force_moe_sorting, gemv_variants,
+    graph_replay_with_new_routing, half_remote, make_case, make_tokens, make_weights, reference, route_pairs_here,
+    routing_weights, run_and_check, uniform_ids)
 
 
 # ------------------------------------------------------------------------------------ GPU: results
@@ -351,6 +352,38 @@ def test_internal_buffers_are_written_before_they_are_read(dtype, block_m, varia
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_graph_capture_and_replay_with_new_routing(dtype, block_m):
     graph_replay_with_new_routing(dtype, 129, 64, 8, block_m=block_m, map_activation="gelu", map_out=False)
+
+
+@pytest.mark.gpu
+def test_launch_plans_are_memoised_by_what_they_depend_on(monkeypatch):
+    """An eager call derives its launch (the database's variant and block_m, the module, routing in the blocks, the
+    intermediate's size) once per shape: the same call again asks launch_choice nothing; another shape, a database
+    reset or a replaced _block_route_pairs (force_moe_sorting) asks again, and every output matches the reference."""
+    from hipkern import tuning_db
+    op = sys.modules["hipkern.ops.fused_moe"]
+    asked = []
+    real = op.launch_choice
+
+    def counting(dev, num_tokens, *rest):
+        asked.append(num_tokens)
+        return real(dev, num_tokens, *rest)
+
+    monkeypatch.setattr(op, "launch_choice", counting)
+    monkeypatch.setattr(op, "_PLANS", {})
+    cases = {t: make_case(t, **SMALL, e=64, k=8, dtype=torch.bfloat16, seed=t) for t in (3, 20)}
+    variants = {3: None, 20: "grouped"}  # 20 x 8 = 160 pairs: the grouped GEMMs route them in their blocks
+    for t in (3, 3, 20, 3):
+        run_and_check(*cases[t], variant=variants[t])  # (each: an out= call, then the same call functional)
+    assert asked == [3, 20]
+    tuning_db.reset()
+    run_and_check(*cases[3])
+    assert asked == [3, 20, 3]
+    (plan,) = [plan for key, plan in op._PLANS.items() if key[2] == 20]  # (variant, block_m, module, routed, bytes)
+    assert plan[0] == "grouped" and plan[3] == (route_pairs_here(torch.bfloat16, plan[1]) >= 160)
+    force_moe_sorting(monkeypatch)  # the chain then sorts first: a plan of its own
+    run_and_check(*cases[20], variant="grouped")
+    assert asked == [3, 20, 3, 20]
+    assert sorted(p[3] for key, p in op._PLANS.items() if key[2] == 20) == sorted([plan[3], False])
 
 
 @pytest.mark.gpu

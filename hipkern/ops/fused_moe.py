@@ -5,6 +5,7 @@ csrc_hip/fused_moe/)."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -283,21 +284,25 @@ _counters: dict = {}
 
 
 def _workspace(mod, dev: int, device: torch.device):
-    """Split-K partials (fresh per call: shape-sized, graph-safe) and arrival counters: zero on entry,
-    left zero by every call, so kept per (device, stream). A call being captured into a CUDA graph
-    gets its own zeroed counters, made inside the graph."""
-    floats, ints = ctypes.c_int64(), ctypes.c_int64()
-    rc = mod.hk_fused_moe_workspace(dev, ctypes.byref(floats), ctypes.byref(ints))
-    if rc:
-        mod.check(rc, "fused_moe workspace")
-    partials = torch.empty((floats.value,), dtype=torch.float32, device=device)
+    """(floats of split-K partials, arrival counters): the partials' size, the same for every call of the module
+    on `dev` (the caller allocates them, fresh per call: graph-safe); the counters zero on entry, left zero by
+    every call, so kept per (device, stream). A call being captured into a CUDA graph gets its own zeroed
+    counters, made inside the graph."""
+    sizes = mod.__dict__.setdefault("_workspace_sizes", {})  # the module's sizes on a device, asked once
+    if dev not in sizes:
+        floats, ints = ctypes.c_int64(), ctypes.c_int64()
+        rc = mod.hk_fused_moe_workspace(dev, ctypes.byref(floats), ctypes.byref(ints))
+        if rc:
+            mod.check(rc, "fused_moe workspace")
+        sizes[dev] = (floats.value, ints.value)
+    floats, ints = sizes[dev]
     if torch.cuda.is_current_stream_capturing():  # never the stream's eager counters: a graph may replay
-        return partials, torch.zeros((ints.value,), dtype=torch.int32, device=device)  # on any stream
-    key = (dev, raw_stream(dev), ints.value)
+        return floats, torch.zeros((ints,), dtype=torch.int32, device=device)  # on any stream
+    key = (dev, raw_stream(dev), ints)
     counters = _counters.get(key)
     if counters is None:
-        counters = _counters[key] = torch.zeros((ints.value,), dtype=torch.int32, device=device)
-    return partials, counters
+        counters = _counters[key] = torch.zeros((ints,), dtype=torch.int32, device=device)
+    return floats, counters
 
 
 def _block_route_pairs(mod, dev: int) -> int:
@@ -315,6 +320,45 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
+# What a call launches, by what it depends on: the shapes, the block_m and variant asked for, and what the choice
+# reads (the database's generation, HIPKERN_ARCH, _block_route_pairs itself: tests replace it). Deriving it cost an
+# eager call ~6 us of host time (launch_choice ~4 us, the module, a ctypes query), and its three allocations ~3 us
+# each where one now serves (H200 host, csrc_hip/fused_moe/NOTES.md 2026-11-28 (14)).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _launch_plan(dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant) -> tuple:
+    """(variant, block_m, module, whether its kernels route the pairs themselves, the intermediate's bytes) of a
+    call on GPU `dev` (current), memoised in _PLANS."""
+    key = (dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant, _block_route_pairs,
+           tuning_db.generation(), os.environ.get("HIPKERN_ARCH"))
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
+    variant, block_m = launch_choice(dev, num_tokens, dim, inter, num_experts, topk, dtype, block_m, variant)
+    if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
+        pairs = num_tokens * topk
+        # at most one partial block an expert; routing in the blocks counts a block a pair (decode's own
+        # count, DECODE_MAX_PAIRS m-blocks whatever the call, is decode_fits', which every path that gives
+        # "decode" has asked)
+        mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // block_m) + num_experts)
+        if mblocks * -(-max(dim, inter) // 8) >= 2**30:
+            raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
+                             f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")
+    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[dtype], block_m=block_m)
+    routed = variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod, dev)  # routes in its own kernels
+    nbytes = ctypes.c_int64()  # the intermediate (and, for some tiles, the tokens as split rows)
+    rc = mod.hk_fused_moe_inter_bytes(num_tokens, topk, dim, inter, _VARIANT_CODES[variant], ctypes.byref(nbytes))
+    if rc:
+        mod.check(rc, "fused_moe inter_bytes")
+    found = (variant, block_m, mod, routed, nbytes.value)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = found
+    return found
+
+
 def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant,
                  out) -> None:
     num_tokens, dim = hidden_states.shape
@@ -322,8 +366,9 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     e_local, inter = w1.shape[0], w1.shape[1] // 2
     num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
-    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
-    if variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod, dev):  # routes in its own kernels
+    variant, block_m, mod, routed, nbytes = _launch_plan(dev, hidden_states.dtype, num_tokens, dim, inter, num_experts,
+                                                         topk, block_m, variant)
+    if routed:
         sorting = (None, None, None)
         max_padded = 0
     else:
@@ -331,19 +376,21 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         _sorting._launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post)
         sorting = (sorted_ids.data_ptr(), expert_ids.data_ptr(), num_post.data_ptr())
         max_padded = sorted_ids.numel()
-    nbytes = ctypes.c_int64()  # the intermediate (and, for some tiles, the tokens as split rows)
-    rc = mod.hk_fused_moe_inter_bytes(num_tokens, topk, dim, inter, _VARIANT_CODES[variant], ctypes.byref(nbytes))
-    if rc:
-        mod.check(rc, "fused_moe inter_bytes")
-    ws = torch.empty((nbytes.value,), dtype=torch.uint8, device=hidden_states.device)
-    if variant in GEMV_VARIANTS:  # sums in registers: no y, no split-K workspace
+    # One allocation (each costs ~3 us of host time): the intermediate, then, but for the gemv variants (sums in
+    # registers), y (fp32 [T * topk][D]) and the split-K partials, each 256-byte aligned.
+    if variant in GEMV_VARIANTS:
+        ws = torch.empty((nbytes,), dtype=torch.uint8, device=hidden_states.device)
         y = partials = counters = None
     else:
-        y = torch.empty((num_tokens * topk, dim), dtype=torch.float32, device=hidden_states.device)
-        partials, counters = _workspace(mod, dev, hidden_states.device)
+        floats, counters = _workspace(mod, dev, hidden_states.device)
+        y_at = -(-nbytes // 256) * 256
+        partials_at = y_at + -(-num_tokens * topk * dim * 4 // 256) * 256
+        ws = torch.empty((partials_at + 4 * floats,), dtype=torch.uint8, device=hidden_states.device)
+        y, partials = ws.data_ptr() + y_at, ws.data_ptr() + partials_at
+        counters = counters.data_ptr()
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
-                          topk_ids.data_ptr(), _ptr(expert_map), *sorting, ws.data_ptr(), _ptr(y), _ptr(partials),
-                          _ptr(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
+                          topk_ids.data_ptr(), _ptr(expert_map), *sorting, ws.data_ptr(), y, partials,
+                          counters, out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
                           max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:
         mod.check(rc, "fused_moe")
@@ -358,18 +405,6 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     inputs = dict(w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     check_no_overlap("out", out, "hidden_states", hidden_states=hidden_states, **inputs,
                      **({} if expert_map is None else {"expert_map": expert_map}))
-    variant, block_m = launch_choice(hidden_states.get_device(), hidden_states.shape[0], hidden_states.shape[1],
-                                     w2.shape[2], _routed_experts(w1, expert_map), topk_ids.shape[1],
-                                     hidden_states.dtype, block_m, variant)
-    if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
-        pairs, dim, inter = topk_ids.numel(), hidden_states.shape[1], w2.shape[2]
-        # at most one partial block an expert; routing in the blocks counts a block a pair (decode's own
-        # count, DECODE_MAX_PAIRS m-blocks whatever the call, is decode_fits', which every path that gives
-        # "decode" has asked)
-        mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // block_m) + _routed_experts(w1, expert_map))
-        if mblocks * -(-max(dim, inter) // 8) >= 2**30:
-            raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
-                             f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")
     on_device(hidden_states.get_device(), _launch_here, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               expert_map, block_m, variant, out)
 
