@@ -356,10 +356,12 @@ def test_cuda_graph_capture_and_replay_with_new_routing(dtype, block_m):
 
 @pytest.mark.gpu
 def test_launch_plans_are_memoised_by_what_they_depend_on(monkeypatch):
-    """An eager call derives its launch (the database's variant and block_m, the module, routing in the blocks, the
+    """An eager call derives its launch (the database's variant and block_m; whether the GEMMs route the pairs, the
     intermediate's size) once per shape: the same call again asks launch_choice nothing; another shape, a database
-    reset or a replaced _block_route_pairs (force_moe_sorting) asks again, and every output matches the reference."""
+    reset or a replaced _block_route_pairs (force_moe_sorting) asks again; a module_override (a diagnostic build)
+    is launched inside its block only, whenever the shape's plan was made; every output matches the reference."""
     from hipkern import tuning_db
+    from hipkern.ops._common import module_for, module_override
     op = sys.modules["hipkern.ops.fused_moe"]
     asked = []
     real = op.launch_choice
@@ -369,21 +371,44 @@ def test_launch_plans_are_memoised_by_what_they_depend_on(monkeypatch):
         return real(dev, num_tokens, *rest)
 
     monkeypatch.setattr(op, "launch_choice", counting)
+    monkeypatch.setattr(op, "_CHOICES", {})
     monkeypatch.setattr(op, "_PLANS", {})
-    cases = {t: make_case(t, **SMALL, e=64, k=8, dtype=torch.bfloat16, seed=t) for t in (3, 20)}
-    variants = {3: None, 20: "grouped"}  # 20 x 8 = 160 pairs: the grouped GEMMs route them in their blocks
+    cases = {t: make_case(t, **SMALL, e=64, k=8, dtype=torch.bfloat16, seed=t) for t in (3, 20, 5)}
+    variants = {3: None, 20: "grouped", 5: None}  # 20 x 8 = 160 pairs: the grouped GEMMs route them in their blocks
     for t in (3, 3, 20, 3):
         run_and_check(*cases[t], variant=variants[t])  # (each: an out= call, then the same call functional)
     assert asked == [3, 20]
     tuning_db.reset()
     run_and_check(*cases[3])
     assert asked == [3, 20, 3]
-    (plan,) = [plan for key, plan in op._PLANS.items() if key[2] == 20]  # (variant, block_m, module, routed, bytes)
-    assert plan[0] == "grouped" and plan[3] == (route_pairs_here(torch.bfloat16, plan[1]) >= 160)
+    (choice,) = [c for key, c in op._CHOICES.items() if key[2] == 20]  # (variant, block_m)
+    (plan,) = [p for key, p in op._PLANS.items() if key[2] == 20]  # (routed, intermediate bytes)
+    assert choice[0] == "grouped" and plan[0] == (route_pairs_here(torch.bfloat16, choice[1]) >= 160)
     force_moe_sorting(monkeypatch)  # the chain then sorts first: a plan of its own
     run_and_check(*cases[20], variant="grouped")
     assert asked == [3, 20, 3, 20]
-    assert sorted(p[3] for key, p in op._PLANS.items() if key[2] == 20) == sorted([plan[3], False])
+    assert sorted(p[0] for key, p in op._PLANS.items() if key[2] == 20) == sorted([plan[0], False])
+
+    class Counting:  # the module, its launches counted
+        def __init__(self, mod):
+            self.mod, self.calls = mod, 0
+
+        def __getattr__(self, name):
+            return getattr(self.mod, name)
+
+        def hk_fused_moe(self, *args):
+            self.calls += 1
+            return self.mod.hk_fused_moe(*args)
+
+    dev = torch.cuda.current_device()
+    for t in (3, 5):  # 3: its plan made before the override; 5: first inside it
+        bm = op._choice(dev, torch.bfloat16, t, 256, 128, 64, 8, 0, "")[1]
+        spy = Counting(module_for("fused_moe", dev, dtype="bfloat16", block_m=bm))
+        with module_override(spy, "fused_moe", dev, dtype="bfloat16", block_m=bm):
+            run_and_check(*cases[t])
+        assert spy.calls == 2  # (the out= call and the functional one)
+        run_and_check(*cases[t])
+        assert spy.calls == 2, "the override outlived its block"
 
 
 @pytest.mark.gpu

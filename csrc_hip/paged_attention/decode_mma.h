@@ -19,7 +19,7 @@
 //     slice and all D columns, or (Cfg::kSplitD, head size 256) for D / WN columns over the whole tile,
 //     P of every slice coming through shared memory after the slices' row maxima met there.
 //   The WN states of each head tile merge through shared memory (finish() in common.h; under kSplitD
-//   they share one running max and hold disjoint columns, so only their (m, l) merge); a uniform
+//   and kWgCols they share one running max and hold disjoint columns, so only their (m, l) merge); a uniform
 //   split of at most kMaxCluster partitions runs, where the build has clusters (sm_90a), as one
 //   thread-block cluster per (sequence, head group) that merges its partitions in distributed shared
 //   memory (cluster_merge), else through partials and the merge kernel.
@@ -119,7 +119,7 @@ struct Cfg {
       return at(r, c);
   }
   static constexpr int kChunks = D / kVec;   // 16-byte chunks per row
-  // shared memory (bytes): Q | P scratch (per wave; kSplitD: P of the tile and the row maxima) |
+  // shared memory (bytes): Q | P scratch (per wave; kSharedP: P of the tile and the row maxima) |
   // pipeline (reused by the merge) | row offsets of two tiles | token flags | (kBoxes) an mbarrier per
   // stage; kBoxes puts the pipeline first (its boxes 1024-byte aligned)
   static constexpr int kQ = kRows * kLd * (int)sizeof(T);
@@ -147,8 +147,9 @@ struct Cfg {
   // hipkern/ops/paged_attention.py); its small (v6) block does.
   static_assert(kAsyncCopy || (D > 128 && !kSmall) || bytes <= 63 * 1024, "fits a CDNA workgroup's 64 KB of LDS");
   static_assert(!kWg || (kRows == 64 && kWaves == 8 && kQAt % 1024 == 0 && kPipeAt % 1024 == 0 &&
-                         kStage % 1024 == 0 && (kBoxes || (kQ + kScratch) % 1024 == 0)),
-                "a warpgroup per token slice; 1024-byte aligned atoms");
+                         kStage % 1024 == 0 && (kBoxes || (kQ + kScratch) % 1024 == 0) &&
+                         (!kWgCols || (kQAt + kQ) % 1024 == 0)),
+                "a warpgroup per token slice; 1024-byte aligned atoms (kWgCols: P's too)");
   static_assert(kThreads >= kTile, "a thread per row reads the block table");
   static_assert(kCopies * kThreads == kTile * kChunks, "whole copies per thread");
   static_assert(kLd % 8 == 0 && kQ % 16 == 0 && kScratch % 16 == 0 && kStage % 16 == 0, "16-byte rows");
@@ -219,7 +220,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
     }
   }
   // The merge area (after the loop): the WN states' (m, l) and their kOStates output states (WN, or
-  // one whose columns the waves hold under kSplitD), over the pipeline; a cluster merge's per-head
+  // one whose columns the waves hold under kSharedP), over the pipeline; a cluster merge's per-head
   // states and weights where the query rows were.
   float* m_w = reinterpret_cast<float*>(pipe);  // [WN][kRows]
   float* l_w = m_w + C::WN * C::kRows;          // [WN][kRows]
@@ -586,7 +587,7 @@ __global__ HK_LAUNCH_BOUNDS((Cfg<T, D, WM, kSmall>::kThreads), 1) void decode_ke
 #pragma unroll
   for (int r = 0; r < MT::kRowSlots; ++r) l[r] = group_sum<MT::kRowLanes>(l[r]);
 
-  // Merge the WN states of each head tile: (m, l) each, and each its outputs, or (kSplitD) one output
+  // Merge the WN states of each head tile: (m, l) each, and each its outputs, or (kSharedP) one output
   // state whose columns the WN waves hold.
   async_copy_wait();
   __syncthreads();

@@ -53,6 +53,9 @@ def run_case(num: int, calls: int = 20, block_m: int | None = None) -> None:
     if c.dtype != torch.bfloat16:
         raise SystemExit(f"--case {num}: the traced module is bf16 only; case {num} is {bench.DTYPE_NAMES[c.dtype]}")
     variant, block_m = bench.launch_config(c, block_m).split("/")
+    if variant not in POINTS:  # the gemv kernels record no timeline
+        raise SystemExit(f"--case {num}: the op runs it as {variant} here, whose kernels record no trace (traced: "
+                         f"{', '.join(sorted(POINTS))}); --shape with --variant traces those at any shape")
     w1, w2 = bench.WeightCache().get(c)
     w, ids = bench.routings(c)[0][0]
     experts = torch.unique(ids).numel()

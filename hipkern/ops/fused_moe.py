@@ -320,43 +320,58 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-# What a call launches, by what it depends on: the shapes, the block_m and variant asked for, and what the choice
-# reads (the database's generation, HIPKERN_ARCH, _block_route_pairs itself: tests replace it). Deriving it cost an
-# eager call ~6 us of host time (launch_choice ~4 us, the module, a ctypes query), and its three allocations ~3 us
-# each where one now serves (H200 host, csrc_hip/fused_moe/NOTES.md 2026-11-28 (14)).
+# What a call launches, by what it depends on, in two memos: the variant and block_m (launch_choice) by the shapes,
+# the block_m and variant asked for and what the choice reads (the database's generation, HIPKERN_ARCH,
+# launch_choice itself); then, by the module (module_for per call: module_override swaps it) and _block_route_pairs
+# itself (tests replace it), whether the GEMMs route the pairs themselves and the intermediate's bytes. Deriving them
+# cost an eager call ~6 us of host time (launch_choice ~4 us, a ctypes query), and its three allocations ~3 us each
+# where one now serves (H200 host, csrc_hip/fused_moe/NOTES.md 2026-11-28 (14)).
+_CHOICES: dict = {}
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 
-def _launch_plan(dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant) -> tuple:
-    """(variant, block_m, module, whether its kernels route the pairs themselves, the intermediate's bytes) of a
-    call on GPU `dev` (current), memoised in _PLANS."""
-    key = (dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant, _block_route_pairs,
+def _memo(cache: dict, key, make):
+    hit = cache.get(key)
+    if hit is None:
+        hit = make()
+        if len(cache) >= _MAX_PLANS:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
+def _choice(dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant) -> tuple:
+    """(variant, block_m) of a call on GPU `dev`, its int32 work-item count checked; memoised in _CHOICES."""
+    def make():
+        v, bm = launch_choice(dev, num_tokens, dim, inter, num_experts, topk, dtype, block_m, variant)
+        if v not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
+            pairs = num_tokens * topk
+            # at most one partial block an expert; routing in the blocks counts a block a pair (decode's own
+            # count, DECODE_MAX_PAIRS m-blocks whatever the call, is decode_fits', which every path that gives
+            # "decode" has asked)
+            mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // bm) + num_experts)
+            if mblocks * -(-max(dim, inter) // 8) >= 2**30:
+                raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more "
+                                 f"work items than int32 indexing allows at block_m {bm}; split the tokens over calls")
+        return v, bm
+    key = (dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant, launch_choice,
            tuning_db.generation(), os.environ.get("HIPKERN_ARCH"))
-    hit = _PLANS.get(key)
-    if hit is not None:
-        return hit
-    variant, block_m = launch_choice(dev, num_tokens, dim, inter, num_experts, topk, dtype, block_m, variant)
-    if variant not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
-        pairs = num_tokens * topk
-        # at most one partial block an expert; routing in the blocks counts a block a pair (decode's own
-        # count, DECODE_MAX_PAIRS m-blocks whatever the call, is decode_fits', which every path that gives
-        # "decode" has asked)
-        mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // block_m) + num_experts)
-        if mblocks * -(-max(dim, inter) // 8) >= 2**30:
-            raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more work "
-                             f"items than int32 indexing allows at block_m {block_m}; split the tokens over calls")
-    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[dtype], block_m=block_m)
-    routed = variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod, dev)  # routes in its own kernels
-    nbytes = ctypes.c_int64()  # the intermediate (and, for some tiles, the tokens as split rows)
-    rc = mod.hk_fused_moe_inter_bytes(num_tokens, topk, dim, inter, _VARIANT_CODES[variant], ctypes.byref(nbytes))
-    if rc:
-        mod.check(rc, "fused_moe inter_bytes")
-    found = (variant, block_m, mod, routed, nbytes.value)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = found
-    return found
+    return _memo(_CHOICES, key, make)
+
+
+def _plan(mod, dev, num_tokens, dim, inter, topk, variant) -> tuple:
+    """(whether the kernels route the pairs themselves, the intermediate's bytes) of a call of `mod` on GPU `dev`;
+    memoised in _PLANS."""
+    def make():
+        routed = variant != VARIANT or num_tokens * topk <= _block_route_pairs(mod, dev)
+        nbytes = ctypes.c_int64()  # the intermediate (and, for some tiles, the tokens as split rows)
+        rc = mod.hk_fused_moe_inter_bytes(num_tokens, topk, dim, inter, _VARIANT_CODES[variant],
+                                          ctypes.byref(nbytes))
+        if rc:
+            mod.check(rc, "fused_moe inter_bytes")
+        return routed, nbytes.value
+    return _memo(_PLANS, (mod, dev, num_tokens, dim, inter, topk, variant, _block_route_pairs), make)
 
 
 def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant,
@@ -366,8 +381,9 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
     e_local, inter = w1.shape[0], w1.shape[1] // 2
     num_experts = _routed_experts(w1, expert_map)
     dev = hidden_states.get_device()
-    variant, block_m, mod, routed, nbytes = _launch_plan(dev, hidden_states.dtype, num_tokens, dim, inter, num_experts,
-                                                         topk, block_m, variant)
+    variant, block_m = _choice(dev, hidden_states.dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant)
+    mod = module_for("fused_moe", dev, dtype=DTYPE_NAMES[hidden_states.dtype], block_m=block_m)
+    routed, nbytes = _plan(mod, dev, num_tokens, dim, inter, topk, variant)
     if routed:
         sorting = (None, None, None)
         max_padded = 0
@@ -382,15 +398,14 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         ws = torch.empty((nbytes,), dtype=torch.uint8, device=hidden_states.device)
         y = partials = counters = None
     else:
-        floats, counters = _workspace(mod, dev, hidden_states.device)
+        floats, counters = _workspace(mod, dev, hidden_states.device)  # (counters: kept alive to the launch)
         y_at = -(-nbytes // 256) * 256
         partials_at = y_at + -(-num_tokens * topk * dim * 4 // 256) * 256
         ws = torch.empty((partials_at + 4 * floats,), dtype=torch.uint8, device=hidden_states.device)
         y, partials = ws.data_ptr() + y_at, ws.data_ptr() + partials_at
-        counters = counters.data_ptr()
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
                           topk_ids.data_ptr(), _ptr(expert_map), *sorting, ws.data_ptr(), y, partials,
-                          counters, out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
+                          _ptr(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
                           max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:
         mod.check(rc, "fused_moe")
