@@ -1,7 +1,6 @@
 """topk_softmax against torch (softmax in float32 + topk + renormalise), and the eager overhead."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -12,6 +11,7 @@ from hipkern.reference import topk_softmax_ref
 from hipkern.testing import BenchTable, checkAllclose, run_perftest
 
 from . import COPY_BW_TBPS
+from .host_time import per_call
 
 TOKENS = (1, 32, 1024, 16384)
 EXPERTS_TOPK = ((8, 2), (64, 8), (256, 8))
@@ -22,17 +22,6 @@ def torch_topk_softmax(logits, k):
     """What a model does without a fused router: three torch ops."""
     w, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
     return w / w.sum(dim=-1, keepdim=True), ids
-
-
-def _host_us_per_call(fn, n=3000) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def eager_overhead(out_dir: Path) -> BenchTable:
@@ -53,7 +42,7 @@ def eager_overhead(out_dir: Path) -> BenchTable:
     }
     table = BenchTable(["Call", "Host_us_per_call"], title="# topk_softmax eager overhead (host us per call)")
     for name, fn in cases.items():
-        table.add(Call=name, Host_us_per_call=_host_us_per_call(fn))
+        table.add(Call=name, Host_us_per_call=per_call(fn, 3000, warmup=100)[1])  # (to the sync)
     table.print()
     table.to_csv(out_dir / "topk_softmax_overhead.csv")
     return table
