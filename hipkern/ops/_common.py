@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
-from .. import jit
+from .. import jit, tuning_db
 
 __all__ = ["lib", "impl_checked", "as_int", "as_float", "as_bool", "check_tensor", "check_device", "check_bool",
            "check_int", "check_routing_out", "DTYPE_NAMES", "on_device", "raw_stream", "module_for", "module_override",
-           "sm_count", "gpu_name"]
+           "sm_count", "gpu_name", "memo", "choice_inputs"]
 
 # torch.ops.hipkern.*: ops are registered here so they work under torch.compile and graph capture.
 lib = torch.library.Library("hipkern", "DEF")
@@ -31,6 +32,27 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 def sm_count(device_index: int) -> int:
     """The GPU's SMs (CUs on AMD): the tuning database's cu_count, and the plans' grid sizes."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+MEMO_LIMIT = 4096  # entries of a launch-plan memo before it is cleared
+
+
+def memo(cache: dict, key, make):
+    """make()'s value for `key`, kept in `cache` (cleared once it holds MEMO_LIMIT entries): the ops' launch plans,
+    each keyed by everything it depends on. A make() that raises stores nothing."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = make()
+        if len(cache) >= MEMO_LIMIT:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
+def choice_inputs() -> tuple:
+    """What a tuning-database choice reads besides the call's shapes: the database's generation (bumped by
+    tuning_db.reset()) and HIPKERN_ARCH; part of every memoised launch plan's key."""
+    return tuning_db.generation(), os.environ.get("HIPKERN_ARCH")
 
 
 @functools.lru_cache(maxsize=None)

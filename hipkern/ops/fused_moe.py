@@ -5,14 +5,13 @@ csrc_hip/fused_moe/)."""
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import (DTYPE_NAMES, as_bool, as_int, check_bool, check_device, check_int, check_no_overlap, check_tensor,
-                      gpu_name, impl_checked, lib, module_for, on_device, raw_stream, sm_count)
+                      choice_inputs, gpu_name, impl_checked, lib, memo, module_for, on_device, raw_stream, sm_count)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -328,17 +327,6 @@ def _ptr(t):
 # where one now serves (H200 host, csrc_hip/fused_moe/NOTES.md 2026-11-28 (14)).
 _CHOICES: dict = {}
 _PLANS: dict = {}
-_MAX_PLANS = 4096
-
-
-def _memo(cache: dict, key, make):
-    hit = cache.get(key)
-    if hit is None:
-        hit = make()
-        if len(cache) >= _MAX_PLANS:
-            cache.clear()
-        cache[key] = hit
-    return hit
 
 
 def _choice(dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant) -> tuple:
@@ -355,9 +343,8 @@ def _choice(dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, vari
                 raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more "
                                  f"work items than int32 indexing allows at block_m {bm}; split the tokens over calls")
         return v, bm
-    key = (dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant, launch_choice,
-           tuning_db.generation(), os.environ.get("HIPKERN_ARCH"))
-    return _memo(_CHOICES, key, make)
+    key = (dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant, launch_choice, *choice_inputs())
+    return memo(_CHOICES, key, make)
 
 
 def _plan(mod, dev, num_tokens, dim, inter, topk, variant) -> tuple:
@@ -371,7 +358,7 @@ def _plan(mod, dev, num_tokens, dim, inter, topk, variant) -> tuple:
         if rc:
             mod.check(rc, "fused_moe inter_bytes")
         return routed, nbytes.value
-    return _memo(_PLANS, (mod, dev, num_tokens, dim, inter, topk, variant, _block_route_pairs), make)
+    return memo(_PLANS, (mod, dev, num_tokens, dim, inter, topk, variant, _block_route_pairs), make)
 
 
 def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant,

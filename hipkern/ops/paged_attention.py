@@ -15,13 +15,13 @@ import dataclasses
 import functools
 import inspect
 import math
-import os
 
 import torch
 
 from .. import jit, tuning_db
 from ._common import (DTYPE_NAMES, as_bool, as_float, check_bool, check_device, check_no_overlap, check_tensor,
-                      gpu_name, impl_checked, is_float32, lib, module_for, on_device, raw_stream, sm_count)
+                      choice_inputs, gpu_name, impl_checked, is_float32, lib, memo, module_for, on_device, raw_stream,
+                      sm_count)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA", "MAX_BLOCK_SIZE"]
 
@@ -464,17 +464,18 @@ def _no_lse(device) -> torch.Tensor:
 # reads (the database's generation, HIPKERN_ARCH, the lookup function itself: the tuner pins candidates by
 # replacing it). An eager call spent ~15 us of host time deriving it (H200 host, NOTES.md 2026-11-28 (13)).
 _PLANS: dict = {}
-_MAX_PLANS = 4096
 
 
 def _launch_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, variant) -> tuple:
     """(kernel code, heads per block, Plan) of a call, memoised in _PLANS."""
     num_seqs, num_q_heads = query.shape[0], query.shape[1]
     key = (dev, mod, query.dtype, num_seqs, num_q_heads, head_size, bs, hkv, kv_layout, max_blocks, variant,
-           _lookup, tuning_db.generation(), os.environ.get("HIPKERN_ARCH"))
-    hit = _PLANS.get(key)
-    if hit is not None:
-        return hit
+           _lookup, *choice_inputs())
+    return memo(_PLANS, key, lambda: _derive_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, variant))
+
+
+def _derive_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, variant) -> tuple:
+    num_seqs, num_q_heads = query.shape[0], query.shape[1]
     params = {}
     max_tokens = max_blocks * bs
     if not variant:
@@ -489,11 +490,7 @@ def _launch_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, var
     params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev))
     shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev), mod.wave_size(),
                        resident_blocks(mod, var.kernel, heads_per_block(var, group, params), dev), params)
-    found = (KERNELS[var.kernel].code, shape.heads_per_block, _plan(variant, shape, tuple(sorted(params.items()))))
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = found
-    return found
+    return KERNELS[var.kernel].code, shape.heads_per_block, _plan(variant, shape, tuple(sorted(params.items())))
 
 
 def _check_direct(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out,
