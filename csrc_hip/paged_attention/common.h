@@ -213,23 +213,30 @@ template <int kRows> constexpr int kClusterFloats = 2 * kRows;
 // columns through distributed shared memory at once (one round trip): no partial leaves the SMs and
 // no merge kernel runs. All threads of every block of the cluster call it. One output at a time per
 // thread: two at once (twice the DSMEM loads in flight) measured 1.7 us slower at 1 x 256 x 64:1
-// (NOTES.md, session 2026-11-24 (6)).
-template <typename T, int D, int kRows, int kThreads, int kLd>
-HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
+// (NOTES.md, session 2026-11-24 (6)); in 2-block clusters 2 or 4 at once were no faster and the block's
+// own state read as plain shared memory was slower (H200, 2026-11-28 (15)). The loop is compiled for
+// kN >= cluster ranks (2, 4 or 8; ranks past the cluster's are empty states, not read): the one loop for
+// 8 ranks that every cluster ran before made 64 x 4096 x 64:1 2.5 % and 8 x 256 x 64:1 8.5 % slower.
+template <typename T, int D, int kRows, int kThreads, int kLd, int kN>
+HK_DEVICE void cluster_merge_ranks(const Params& p, const float* ml_s, const float* o_s, const BlockWork& w) {
   const int n = p.cluster;
-  cluster_sync();  // every block's state is written
-  trace_point(5);
+  uint32_t ml_r[kN], o_r[kN];  // this block's ml_s / o_s in each rank (addresses are linear within a rank)
+#pragma unroll
+  for (int r = 0; r < kN; ++r) {
+    ml_r[r] = r < n ? cluster_map(ml_s, r) : 0u;
+    o_r[r] = r < n ? cluster_map(o_s, r) : 0u;
+  }
   constexpr int kPerRow = D / 4;
   const int total = w.nh * kPerRow, share = (total + n - 1) / n, hi = min(total, (w.part + 1) * share);
   for (int i = w.part * share + (int)threadIdx.x; i < hi; i += kThreads) {
     const int h = i / kPerRow, d = i % kPerRow * 4;
-    float2 ml[kMaxCluster];
-    float4 o[kMaxCluster];
+    float2 ml[kN];
+    float4 o[kN];
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) {
+    for (int r = 0; r < kN; ++r) {
       if (r < n) {
-        ml[r] = cluster_load2(cluster_map(ml_s + 2 * h, r));
-        o[r] = cluster_load4(cluster_map(o_s + h * kLd + d, r));
+        ml[r] = cluster_load2(ml_r[r] + 8u * h);
+        o[r] = cluster_load4(o_r[r] + 4u * (h * kLd + d));
       } else {
         ml[r] = make_float2(-INFINITY, 0.f);
         o[r] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -237,9 +244,9 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
     }
     float M = -INFINITY, L = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) M = fmaxf(M, ml[r].x);
+    for (int r = 0; r < kN; ++r) M = fmaxf(M, ml[r].x);
 #pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) {  // every value read is used (an empty state with weight 0)
+    for (int r = 0; r < kN; ++r) {  // every value read is used (an empty state with weight 0)
       const float c = merge_weight(ml[r].x, M);
       L += ml[r].y * c;
       acc[0] += o[r].x * c;
@@ -254,6 +261,18 @@ HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, con
     store_from_float<T, 4>(static_cast<T*>(p.out) + sh * D + d, acc);
     if (p.lse && d == 0) p.lse[sh] = lse_of(M, L);
   }
+}
+
+template <typename T, int D, int kRows, int kThreads, int kLd>
+HK_DEVICE void cluster_merge(const Params& p, float* ml_s, const float* o_s, const BlockWork& w) {
+  cluster_sync();  // every block's state is written
+  trace_point(5);
+  if (p.cluster <= 2)
+    cluster_merge_ranks<T, D, kRows, kThreads, kLd, 2>(p, ml_s, o_s, w);
+  else if (p.cluster <= 4)
+    cluster_merge_ranks<T, D, kRows, kThreads, kLd, 4>(p, ml_s, o_s, w);
+  else
+    cluster_merge_ranks<T, D, kRows, kThreads, kLd, kMaxCluster>(p, ml_s, o_s, w);
   // No block leaves (its shared memory) while another still reads it. This thread's reads are done
   // (their values went into the sums above) and nothing else needs ordering: no fence.
   cluster_sync_relaxed();
