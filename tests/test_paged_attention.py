@@ -379,6 +379,43 @@ def test_launch_plans_are_memoised_by_what_they_depend_on(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_validation_is_memoised_by_what_it_reads(monkeypatch):
+    """An eager call validates an argument set once: the same shapes, strides, dtypes, devices and other arguments
+    again skip _validate; anything it reads that differs is validated again, so a bad argument is still refused
+    after a good call of the same shapes (a strided context_lens, an out of another dtype, a CPU tensor, a bool
+    scale equal to 1)."""
+    from hipkern.ops import paged_attention as pa
+
+    seen = []
+    real = pa._validate
+
+    def counting(*args):
+        seen.append(args[5])  # the scale
+        return real(*args)
+
+    monkeypatch.setattr(pa, "_validate", counting)
+    monkeypatch.setattr(pa, "_VALID", {})
+    q, k, v, bt, cl = make_case([300, 17, 64])
+    ref = paged_attention_ref(q, k, v, bt, cl, scale=1.0)[0]
+    for _ in range(3):
+        out = hipkern.paged_attention_decode(q, k, v, bt, cl, scale=1.0, out=poison(torch.empty_like(q)))
+        assert check_out(out, ref) == 0
+    assert seen == [1.0]
+    hipkern.paged_attention_decode(q, k, v, bt, cl, scale=1)  # another type, and no out: validated again
+    assert seen == [1.0, 1]
+    strided = torch.stack([cl, cl], dim=1)[:, 0]
+    bad = [(dict(context_lens=strided), "context_lens"), (dict(out=torch.empty(q.shape, device=q.device)), "out"),
+           (dict(context_lens=cl.cpu()), "context_lens"), (dict(scale=True), "scale")]
+    for change, name in bad:
+        args = dict(query=q, key_cache=k, value_cache=v, block_tables=bt, context_lens=cl, scale=1.0,
+                    out=torch.empty_like(q))
+        args.update(change)
+        with pytest.raises(ValueError, match=name):
+            hipkern.paged_attention_decode(**args)
+    assert len(seen) == 2 + len(bad) and len(pa._VALID) == 2
+
+
+@pytest.mark.gpu
 def test_torch_compile():
     q, k, v, bt, cl = make_case([100, 900], num_kv_heads=2, group=4)
 
