@@ -412,6 +412,40 @@ def test_launch_plans_are_memoised_by_what_they_depend_on(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_validation_is_memoised_by_what_it_reads(monkeypatch):
+    """An eager call validates an argument set once (_common.validated): the same call again skips _validate, and
+    a bad argument is still refused after a good call of the same shapes: a strided topk_ids, an expert_map on
+    the CPU, a block_m float equal to a good int, an out of another dtype."""
+    op = sys.modules["hipkern.ops.fused_moe"]
+    seen = []
+    real = op._validate
+
+    def counting(*args):
+        seen.append(args[7])  # block_m
+        return real(*args)
+
+    monkeypatch.setattr(op, "_validate", counting)
+    monkeypatch.setattr(op, "_VALID", {})
+    x, w1, w2, w, ids = make_case(3, **SMALL, e=64, k=8, dtype=torch.bfloat16, seed=5)
+    for _ in range(2):
+        run_and_check(x, w1, w2, w, ids, block_m=16)  # (each: an out= call, then the functional one)
+    assert seen == [16, 16]  # the out= set and the functional set, once each
+    emap = torch.arange(64, dtype=torch.int32, device=x.device)
+    run_and_check(x, w1, w2, w, ids, block_m=16, expert_map=emap)
+    assert len(seen) == 4
+    strided = torch.stack([ids, ids], dim=2)[:, :, 0]
+    bad = [(dict(topk_ids=strided), "topk_ids"), (dict(expert_map=emap.cpu()), "expert_map"),
+           (dict(block_m=16.0), "block_m"), (dict(out=torch.empty(x.shape, device=x.device)), "out")]
+    for change, name in bad:
+        args = dict(hidden_states=x, w1=w1, w2=w2, topk_weights=w, topk_ids=ids, block_m=16, expert_map=emap,
+                    out=torch.empty_like(x))
+        args.update(change)
+        with pytest.raises(ValueError, match=name):
+            hipkern.fused_moe(**args)
+    assert len(seen) == 4 + len(bad) and len(op._VALID) == 4
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["grouped", "decode"])
 def test_a_graph_captured_on_a_warm_stream_has_counters_of_its_own(variant, monkeypatch):
     """The split-K arrival counters (and the decode variant's grid barrier) are kept per stream for eager

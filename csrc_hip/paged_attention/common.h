@@ -215,8 +215,8 @@ template <int kRows> constexpr int kClusterFloats = 2 * kRows;
 // thread: two at once (twice the DSMEM loads in flight) measured 1.7 us slower at 1 x 256 x 64:1
 // (NOTES.md, session 2026-11-24 (6)); in 2-block clusters 2 or 4 at once were no faster and the block's
 // own state read as plain shared memory was slower (H200, 2026-11-28 (15)). The loop is compiled for
-// kN >= cluster ranks (2, 4 or 8; ranks past the cluster's are empty states, not read): the one loop for
-// 8 ranks that every cluster ran before made 64 x 4096 x 64:1 2.5 % and 8 x 256 x 64:1 8.5 % slower.
+// kN >= cluster ranks (2, 4 or 8; ranks past the cluster's are empty states, not read), instead of one
+// loop for 8 ranks in every cluster: 64 x 4096 x 64:1 2.5 % and 8 x 256 x 64:1 8.5 % faster.
 template <typename T, int D, int kRows, int kThreads, int kLd, int kN>
 HK_DEVICE void cluster_merge_ranks(const Params& p, const float* ml_s, const float* o_s, const BlockWork& w) {
   const int n = p.cluster;

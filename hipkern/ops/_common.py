@@ -49,6 +49,42 @@ def memo(cache: dict, key, make):
     return hit
 
 
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+
+
+def validated(cache: dict, check, tensors: tuple, scalars: tuple, *args) -> None:
+    """check(*args), an op's argument validation, skipped for arguments that have passed it before: the key is each
+    of `tensors`' shape, strides, dtype and device (None stays None) and each of `scalars` with its type (True == 1
+    == 1.0 as keys), which must be all that check reads. Other tensor types (subclasses, nested, sparse: a sparse
+    tensor's strides read as a dense one's) or scalar types, and calls while compiling, are checked in full.
+    Validation was ~11 us of an eager paged-attention call's host time (H200 host, csrc_hip/paged_attention/NOTES.md,
+    2026-11-28 (13)); the key costs about a third of it."""
+    if torch.compiler.is_compiling():  # (traced: nothing here to memoise)
+        check(*args)
+        return
+    key = [check]  # (a plain loop: generators cost ~1 us more a call)
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor and not t.is_nested and t.layout is torch.strided:
+            key.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            key = None
+            break
+    if key is not None:
+        for s in scalars:
+            if type(s) not in _PLAIN_SCALARS:
+                key = None
+                break
+            key += (type(s), s)
+    if key is None:
+        check(*args)
+    else:
+        key = tuple(key)
+        if key not in cache:
+            memo(cache, key, lambda: check(*args) or True)
+
+
 def choice_inputs() -> tuple:
     """What a tuning-database choice reads besides the call's shapes: the database's generation (bumped by
     tuning_db.reset()) and HIPKERN_ARCH; part of every memoised launch plan's key."""

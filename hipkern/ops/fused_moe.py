@@ -11,7 +11,8 @@ import torch
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
 from ._common import (DTYPE_NAMES, as_bool, as_int, check_bool, check_device, check_int, check_no_overlap, check_tensor,
-                      choice_inputs, gpu_name, impl_checked, lib, memo, module_for, on_device, raw_stream, sm_count)
+                      choice_inputs, gpu_name, impl_checked, lib, memo, module_for, on_device, raw_stream, sm_count,
+                      validated)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -183,6 +184,9 @@ def launch_choice(device_index: int, num_tokens: int, dim: int, inter_dim: int, 
             block_m = DECODE_MAX_BLOCK_M
         variant = variant or chosen
     return variant or choose_variant(num_tokens, topk, dtype, block_m, None, dim, inter_dim), block_m
+
+
+_VALID: dict = {}  # argument sets that passed _validate (_common.validated)
 
 
 def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out=None,
@@ -499,7 +503,9 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
     check_bool("allow_tf32", allow_tf32)
     check_bool("validate", validate)
     block_m = as_int(block_m)
-    _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, out, variant)
+    validated(_VALID, _validate, (hidden_states, w1, w2, topk_weights, topk_ids, expert_map, out),
+              (activation, block_m, variant), hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
+              block_m, out, variant)
     if validate:
         _check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0])
     bm = block_m or 0

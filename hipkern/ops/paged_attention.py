@@ -21,7 +21,7 @@ import torch
 from .. import jit, tuning_db
 from ._common import (DTYPE_NAMES, as_bool, as_float, check_bool, check_device, check_no_overlap, check_tensor,
                       choice_inputs, gpu_name, impl_checked, is_float32, lib, memo, module_for, on_device, raw_stream,
-                      sm_count)
+                      sm_count, validated)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA", "MAX_BLOCK_SIZE"]
 
@@ -395,24 +395,7 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
     check_device(dev, **tensors)
 
 
-# Argument sets that passed _validate, keyed by all it reads: each tensor's shape, strides, dtype and device, and the
-# other arguments (scale with its type: True == 1 == 1.0 as keys). An eager call spent ~11 us of host time
-# validating (H200 host, NOTES.md 2026-11-28 (13)); the key costs ~2-3. Plain tensors and scalars only.
-_VALID: dict = {}
-
-
-def _validate_eager(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse,
-                    variant):
-    """_validate, skipped for an argument set that has passed it before (memoised in _VALID)."""
-    args = (query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse, variant)
-    tensors = (query, key_cache, value_cache, block_tables, context_lens) + (() if out is None else (out,))
-    if (any(type(t) is not torch.Tensor for t in tensors) or type(scale) not in (float, int, type(None))
-            or type(kv_layout) is not str or type(return_lse) is not bool):
-        return _validate(*args)
-    key = (out is None, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), type(scale), scale, kv_layout,
-           return_lse, variant)
-    if key not in _VALID:
-        memo(_VALID, key, lambda: _validate(*args) or True)
+_VALID: dict = {}  # argument sets that passed _validate (_common.validated)
 
 
 # variant "" lets the launch choose (tuning database, else heuristic): the lookup reads files, so
@@ -611,8 +594,9 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
         raise ValueError(f"variant must be None or a str, got {type(variant).__name__}")
     variant = ALIASES.get(variant, variant)
     scale, return_lse = as_float(scale), as_bool(return_lse)
-    check = _validate if torch.compiler.is_compiling() else _validate_eager
-    check(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, return_lse, variant)
+    validated(_VALID, _validate, (query, key_cache, value_cache, block_tables, context_lens, out),
+              (scale, kv_layout, return_lse, variant), query, key_cache, value_cache, block_tables, context_lens,
+              scale, kv_layout, out, return_lse, variant)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     variant = variant or ""
     if out is None:

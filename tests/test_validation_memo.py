@@ -1,0 +1,84 @@
+"""_common.validated, the ops' memo of argument sets that passed their validation (CPU test): a repeated set skips
+the check; any tensor metadata or scalar (with its type) that differs is checked again; a failed check is not
+remembered; other tensor and scalar types, and bounded caches, are checked in full."""
+import pytest
+import torch
+
+from hipkern.ops import _common
+from hipkern.ops._common import validated
+
+
+class Check:
+    """A validation that counts its calls and refuses a scale of True or a non-contiguous tensor."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, t, scale, name):
+        self.calls += 1
+        if scale is True or not t.is_contiguous():
+            raise ValueError("bad argument")
+
+
+def run(cache, check, t, scale=1.0, name="x", other=None):
+    validated(cache, check, (t, other), (scale, name), t, scale, name)
+
+
+def test_a_repeated_set_skips_the_check_and_any_difference_checks_again():
+    cache, check, t = {}, Check(), torch.randn(4, 6)
+    run(cache, check, t)
+    run(cache, check, t)
+    run(cache, check, torch.randn(4, 6))  # another tensor of the same metadata: the check reads only that
+    assert check.calls == 1
+    differing = [dict(t=torch.randn(4, 7)), dict(t=torch.randn(4, 6, dtype=torch.float64)),
+                 dict(t=torch.empty(4, 6, device="meta")), dict(scale=2.0), dict(scale=1), dict(name="y"),
+                 dict(other=torch.zeros(3))]
+    for i, change in enumerate(differing):
+        run(cache, check, **{"t": t, **change})
+        assert check.calls == 2 + i, change
+    assert len(cache) == 1 + len(differing)
+
+
+def test_a_failed_check_is_not_remembered():
+    cache, check, t = {}, Check(), torch.randn(4, 6)
+    run(cache, check, t, scale=1)
+    for _ in range(2):  # True == 1 and hash(True) == hash(1): the key's types keep them apart
+        with pytest.raises(ValueError):
+            run(cache, check, t, scale=True)
+    strided = torch.randn(4, 12)[:, ::2]  # t's shape, dtype and device; other strides
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            run(cache, check, strided, scale=1)
+    assert check.calls == 5 and len(cache) == 1
+
+
+def test_other_types_are_checked_every_time():
+    cache, check, t = {}, Check(), torch.randn(4, 6)
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = t.as_subclass(Sub)
+    for _ in range(2):
+        run(cache, check, sub)
+        run(cache, check, t, scale=[1.0])  # unhashable: the check, not a TypeError, says what is wrong
+    assert check.calls == 4 and not cache
+
+
+def test_a_sparse_tensor_is_not_taken_for_a_dense_one_of_its_shape_and_strides():
+    cache, check = {}, Check()
+    dense = torch.tensor(5, dtype=torch.int32).expand(1)  # shape (1,), strides (0,): contiguous
+    sparse = torch.tensor([5], dtype=torch.int32).to_sparse()
+    assert sparse.shape == dense.shape and sparse.dtype == dense.dtype and sparse.device == dense.device
+    run(cache, check, dense)
+    with pytest.raises((ValueError, RuntimeError)):  # refused by the check (or by torch), never a cached pass
+        run(cache, check, sparse)
+    assert check.calls == 2
+
+
+def test_the_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(_common, "MEMO_LIMIT", 3)
+    cache, check, t = {}, Check(), torch.randn(2)
+    for s in range(7):
+        run(cache, check, t, scale=float(s))
+    assert check.calls == 7 and 1 <= len(cache) <= 3
