@@ -24,7 +24,8 @@ Lookup (``lookup(op, arch, cu_count, device_name=..., **shape)``), in this order
    another device's (an H200 takes an H100's row of its own shape before its own row of a shape one
    bucket away); ties go to the row with the larger buckets (tuned for more work), then to this GPU's own
    row, then to one device throughout (the one with the most rows, then by name: a GPU with no rows of its
-   own takes one device's choices, not a mix), then to the newer date;
+   own takes one device's choices, not a mix), then to the newer date, then to the nearer cu_count (then the
+   larger), so that the choice never depends on the order of the files' rows;
 3. none: the op uses its heuristic default.
 
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
@@ -37,7 +38,9 @@ match), a variant the op no longer has or parameters the op cannot run (its Sche
 one warning naming the file (and line); the op still runs. A path in ``HIPKERN_TUNING_DB`` that does not
 exist, or a folder there without ``<arch>/<op>.csv``, is skipped with a warning too (each op looked up on
 the arch names its own missing file); a shipped file that does not exist is skipped silently (no rows of
-that op and arch are shipped). A file in the variable with another op's columns is skipped silently.
+that op and arch are shipped). A file named in the variable with another op's columns is skipped silently;
+``<folder>/<arch>/<op>.csv`` is that op's by its name, so missing columns there are warned about. A
+byte-order mark (as spreadsheets save CSV) is ignored.
 """
 from __future__ import annotations
 
@@ -181,11 +184,11 @@ class _Table:
         self.schema = schema
         self.exact: dict = {}  # full key -> row
         self.groups: dict = {}  # exact keys -> [rows]
-        files = [shipped_results_dir() / arch / f"{schema.op}.csv"]
-        files += [Path(p) / arch / f"{schema.op}.csv" if Path(p).is_dir() else Path(p)
+        files = [(shipped_results_dir() / arch / f"{schema.op}.csv", False)]  # (path, named in the variable)
+        files += [(Path(p) / arch / f"{schema.op}.csv", False) if Path(p).is_dir() else (Path(p), True)
                   for p in os.environ.get("HIPKERN_TUNING_DB", "").split(os.pathsep) if p]
-        for f in files:
-            self._load(f, arch, user=f != files[0])
+        for i, (f, named) in enumerate(files):
+            self._load(f, arch, user=i > 0, named=named)
         for row in self.exact.values():
             self.groups.setdefault(self._exact_part(row), []).append(row)
         # Among other devices' rows that tie, one device throughout (the one with the most rows, then by name),
@@ -201,13 +204,15 @@ class _Table:
         return (self._exact_part(row), tuple(int(row[k]) for k in self.schema.bucket_keys), int(row["cu_count"]),
                 row[DEVICE])
 
-    def _load(self, path: Path, arch: str, user: bool) -> None:
+    def _load(self, path: Path, arch: str, user: bool, named: bool = False) -> None:
+        """Load `path`'s rows of `arch` (`user`: one of HIPKERN_TUNING_DB's; `named`: a file the variable names
+        itself, which may be another op's, rather than <folder>/<arch>/<op>.csv, whose name says its op)."""
         if not path.is_file():
             if user:
                 warnings.warn(f"hipkern tuning file {path} does not exist; skipped", stacklevel=4)
             return
         try:
-            with open(path, newline="") as fh:
+            with open(path, newline="", encoding="utf-8-sig") as fh:  # (-sig: a byte-order mark, as Excel saves)
                 reader = csv.DictReader(fh)
                 # a parameter or measure column a file lacks (written before it existed) reads as empty
                 have = reader.fieldnames or ()
@@ -221,7 +226,7 @@ class _Table:
                     return
                 missing = [c for c in self.schema.columns if c not in have
                            and c not in self.schema.param_keys + self.schema.measures + (DEVICE,)]
-                if (all(k in missing for k in self.schema.bucket_keys)
+                if (named and all(k in missing for k in self.schema.bucket_keys)
                         and any(k in missing for k in self.schema.exact_keys)):
                     log.debug("hipkern: tuning file %s is not a %s file; skipped for it", path, self.schema.op)
                     return  # another op's file (HIPKERN_TUNING_DB may name one file per op)
@@ -277,7 +282,8 @@ class _Table:
             dist = sum(abs(math.log2(r[k]) - math.log2(b)) for k, b in zip(self.schema.bucket_keys, buckets))
             dist += 0.5 * (r["cu_count"] != cu_count) + 0.25 * (r[DEVICE] not in ("", device))
             rank = (dist, tuple(-r[k] for k in self.schema.bucket_keys), r[DEVICE] != device,
-                    self.device_rank[r[DEVICE]], _date_rank(r.get("date") or ""))
+                    self.device_rank[r[DEVICE]], _date_rank(r.get("date") or ""), abs(r["cu_count"] - cu_count),
+                    -r["cu_count"])  # (a total order: rows that tie so far differ in cu_count alone)
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
         return (best, "nearest") if best is not None else (None, None)
@@ -302,18 +308,26 @@ def lookup(op: str, arch: str, cu_count: int, *, device_name: str = "", **shape)
     bucketed) on a GPU of `arch`, `cu_count` and name `device_name` (torch.cuda.get_device_name; "":
     unknown, only rows without a device are exact), or None for the heuristic default. Memoised per shape."""
     memo_key = (op, arch, cu_count, device_name, *shape.values())  # the raw values: a hit costs one dict get
-    hit = _memo.get(memo_key, _MISS)
-    if hit is not _MISS:
-        return hit
-    t = _table(op, arch)
-    exact = tuple(str(shape[k]) for k in t.schema.exact_keys)
-    buckets = tuple(int(shape[k]) for k in t.schema.bucket_keys)
-    row, source = t.find(exact, buckets, cu_count, device_name.strip())
-    choice = None if row is None else Choice(row["variant"], row["params"], source, row)
-    _memo[memo_key] = choice
-    if source != "exact":
-        _log_untuned(t.schema, arch, cu_count, device_name, shape, choice)
-    return choice
+    while True:
+        hit = _memo.get(memo_key, _MISS)
+        if hit is not _MISS:
+            return hit
+        gen = _generation[0]
+        t = _table(op, arch)
+        exact = tuple(str(shape[k]) for k in t.schema.exact_keys)
+        buckets = tuple(int(shape[k]) for k in t.schema.bucket_keys)
+        row, source = t.find(exact, buckets, cu_count, device_name.strip())
+        choice = None if row is None else Choice(row["variant"], row["params"], source, row)
+        with _lock:  # one thread stores (and logs) a shape's choice; one made before a reset() is not kept
+            if gen != _generation[0]:
+                continue
+            first = memo_key not in _memo
+            if first:
+                _memo[memo_key] = choice
+            choice = _memo[memo_key]
+        if first and source != "exact":
+            _log_untuned(t.schema, arch, cu_count, device_name, shape, choice)
+        return choice
 
 
 _memo: dict = {}

@@ -623,3 +623,80 @@ def test_the_shipped_database_loads_without_a_warning(monkeypatch):
                 assert len(table.exact) == len(list(csv.DictReader(fh))), f
     finally:
         tuning_db.reset()
+
+
+def test_a_miss_looked_up_by_threads_at_once_is_logged_once(shipped, tmp_path, monkeypatch, caplog):
+    """Eight threads look up the same untuned shape together (the first lookup loads the files, a wide window):
+    one log line and one row of the untuned log."""
+    import threading
+    write(shipped, [row("a", 8, 2048)])
+    out = tmp_path / "untuned.csv"
+    monkeypatch.setenv("HIPKERN_LOG_UNTUNED", str(out))
+    barrier, got = threading.Barrier(8), []
+
+    def go():
+        barrier.wait()
+        got.append(find(64, 2048))
+
+    with caplog.at_level(logging.INFO, logger="hipkern.tuning"):
+        threads = [threading.Thread(target=go) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(got) == 8 and all(c is got[0] for c in got) and got[0].variant == "a"
+    assert caplog.text.count("has no tuned row") == 1
+    assert len(list(csv.DictReader(open(out)))) == 1
+
+
+def test_a_choice_made_while_the_database_is_reset_is_not_kept(shipped, monkeypatch):
+    """A lookup whose files were read before a reset() (the user changed HIPKERN_TUNING_DB meanwhile) answers
+    from the files as they are after it, and remembers that."""
+    write(shipped, [row("a", 8, 2048)])
+    real, calls = tuning_db._Table.find, []
+
+    def find_then_reset(self, *args):
+        found = real(self, *args)
+        if not calls:  # the first lookup: the files change, and reset() runs, before it stores its choice
+            write(shipped, [row("b", 8, 2048)])
+            tuning_db.reset()
+        calls.append(found[0]["variant"])
+        return found
+
+    monkeypatch.setattr(tuning_db._Table, "find", find_then_reset)
+    assert find(8, 2048).variant == "b" and calls == ["a", "b"]
+    assert find(8, 2048).variant == "b" and len(calls) == 2
+
+
+def test_nearest_rows_that_differ_in_cu_count_alone_do_not_depend_on_row_order(shipped):
+    """Rows without a device, of two CU counts, neither this GPU's: the nearer CU count, whatever the order."""
+    for rows in ([row("a", 8, 2048, cu=114), row("b", 8, 2048, cu=132)],
+                 [row("b", 8, 2048, cu=132), row("a", 8, 2048, cu=114)]):
+        write(shipped, rows)
+        tuning_db.reset()
+        assert (find(8, 2048, cu=78).variant, find(8, 2048, cu=140).variant) == ("a", "b")
+    write(shipped, [row("b", 8, 2048, cu=140), row("a", 8, 2048, cu=120)])  # equally near 130: the larger
+    tuning_db.reset()
+    assert find(8, 2048, cu=130).variant == "b"
+
+
+def test_a_folder_s_op_file_with_wrong_columns_warns(shipped, tmp_path, monkeypatch):
+    """<folder>/<arch>/<op>.csv is this op's by its name: a file there with other columns (a renamed key) is not
+    skipped silently as another op's file may be."""
+    write(shipped, [row("a", 8, 2048)])
+    cols = [c if c != "batch" else "num_seqs" for c in SCHEMA.columns if c not in ("context", "head_size")]
+    write(tmp_path / "mine" / "sm_90" / "toyop.csv", [], columns=cols)
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(tmp_path / "mine"))
+    tuning_db.reset()
+    with pytest.warns(UserWarning, match=r"toyop.csv lacks columns"):
+        assert find(8, 2048).variant == "a"
+
+
+def test_a_file_with_a_byte_order_mark_loads(shipped, tmp_path, monkeypatch, recwarn):
+    write(shipped, [row("a", 8, 2048)])
+    user = write(tmp_path / "bom.csv", [row("b", 8, 2048)])
+    user.write_bytes(b"\xef\xbb\xbf" + user.read_bytes())  # as a spreadsheet saves "CSV UTF-8"
+    monkeypatch.setenv("HIPKERN_TUNING_DB", str(user))
+    tuning_db.reset()
+    assert find(8, 2048).variant == "b"
+    assert not [w for w in recwarn if "bom.csv" in str(w.message)]
