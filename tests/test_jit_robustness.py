@@ -152,6 +152,28 @@ def test_rocm_arch_names_with_features_are_their_arch(monkeypatch):
     assert jit.current_arch() == "gfx942"
     with pytest.raises(JitError, match="is not a GPU architecture name"):
         jit.platform.check_arch("sm_90:xnack+")
+    # the wave size of the arch, not of its name's length with the features
+    waves = [jit.platform.wave_size_of(a) for a in ("gfx1100:xnack-", "gfx942:sramecc+:xnack-", "gfx1100")]
+    assert waves == [32, 64, 32]
+
+
+def test_a_file_system_that_cannot_lock_is_a_jit_error_naming_the_lock(tmp_path, monkeypatch):
+    """flock's other errors (ENOLCK on NFS without a lock daemon, EOPNOTSUPP on some FUSE mounts) were a bare
+    OSError without a file name."""
+    import errno
+    import fcntl
+
+    real = fcntl.flock
+
+    def no_locks(fd, op):
+        if op & fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return real(fd, op)
+
+    monkeypatch.setattr(_lock.fcntl, "flock", no_locks)
+    with pytest.raises(JitError, match=r"cannot lock .*x\.lock \(building tiny for sm_90\).*HIPKERN_JIT_DIR"):
+        with _lock.file_lock(tmp_path / "x.lock", "building tiny for sm_90"):
+            pass
 
 
 def test_rdna_is_refused_before_any_toolchain_is_looked_for(jit_dir, tiny_root, monkeypatch):

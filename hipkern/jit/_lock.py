@@ -86,13 +86,17 @@ def _acquire(fd, path, what, timeout: float, deadline: float):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            now = time.monotonic()
-            if not told and now - start >= TELL_AFTER_S:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                log.warning("hipkern: waiting for process %s, which is %s (lock %s; at most %.0f s, "
-                            "HIPKERN_JIT_LOCK_TIMEOUT)", holder, what, path, timeout)
-                told = True
-            if now > deadline:
-                raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}) "
-                               f"(HIPKERN_JIT_LOCK_TIMEOUT)") from None
-            time.sleep(0.05)
+            pass
+        except OSError as e:  # ENOLCK (NFS without a lock daemon), EOPNOTSUPP / ENOSYS (some FUSE or Lustre mounts)
+            raise JitError(f"the JIT cache's file system cannot lock {path} ({what}): {e.strerror or e}; set "
+                           "HIPKERN_JIT_DIR to a private directory on a local disk") from e
+        now = time.monotonic()  # another process holds it: wait
+        if not told and now - start >= TELL_AFTER_S:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            log.warning("hipkern: waiting for process %s, which is %s (lock %s; at most %.0f s, "
+                        "HIPKERN_JIT_LOCK_TIMEOUT)", holder, what, path, timeout)
+            told = True
+        if now > deadline:
+            raise JitError(f"timed out after {timeout:.0f}s waiting for the lock {path} ({what}) "
+                           f"(HIPKERN_JIT_LOCK_TIMEOUT)") from None
+        time.sleep(0.05)

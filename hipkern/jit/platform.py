@@ -43,6 +43,7 @@ def platform_of(arch: str) -> str:
 
 def wave_size_of(arch: str) -> int:
     """Lanes per wave: 64 on GCN/CDNA (gfx9xx and older), 32 on RDNA (gfx10+) and NVIDIA."""
+    arch = check_arch(arch)  # (gfx1100:xnack- is gfx1100)
     if platform_of(arch) == "cuda":
         return 32
     return 32 if arch.startswith("gfx1") and len(arch) == 7 else 64
