@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, tiny_spec, toolchain_or_skip
 from hipkern import jit
-from hipkern.jit import builder
+from hipkern.jit import _paths, builder
 from hipkern.jit.platform import JitError
 from hipkern.jit.toolchain import local_bytes
 
@@ -431,6 +431,36 @@ def test_cache_dir_writable_by_others_is_refused(tmp_path, tiny_root, monkeypatc
     monkeypatch.setenv("HIPKERN_JIT_DIR", str(d))
     with pytest.raises(JitError, match="writable by group or others"):
         jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_cache_dir_under_a_directory_others_can_write_is_refused(tmp_path, tiny_root, monkeypatch):
+    """Whoever can write a directory above the cache could move the cache aside and put their own in its place:
+    such a parent (not sticky) is refused, as named and through a link; a sticky one (as /tmp) is taken."""
+    for mode, ok in ((0o777, False), (0o1777, True), (0o775, True)):  # (group-writable: a umask of 002's)
+        pub = tmp_path / f"pub-{mode:o}"
+        pub.mkdir()
+        pub.chmod(mode)
+        link = tmp_path / f"link-{mode:o}"
+        link.symlink_to(pub / "jit", target_is_directory=True)
+        for value in (pub / "jit", link):
+            monkeypatch.setenv("HIPKERN_JIT_DIR", str(value))
+            _paths._env_root.cache_clear()
+            if ok:
+                assert _paths.cache_root() == value
+            else:
+                with pytest.raises(JitError, match=re.escape(f"the directory {pub} above it") + ".*writable by"):
+                    jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_a_cached_module_in_a_directory_others_can_write_is_not_loaded(jit_dir, tiny_root, tmp_path):
+    toolchain_or_skip("sm_90", tmp_path)
+    first = jit.build(tiny_spec(tiny_root), "sm_90")
+    for d in (first.path.parent.parent, first.path.parent):  # the arch's folder, the module's
+        d.chmod(0o777)
+        with pytest.raises(JitError, match=re.escape(f"JIT cache {d} is writable by group or others")):
+            jit.build(tiny_spec(tiny_root), "sm_90")
+        d.chmod(0o700)
+    assert not jit.build(tiny_spec(tiny_root), "sm_90").built
 
 
 def test_new_cache_dir_is_private(jit_dir, tiny_root, tmp_path):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from ._lock import file_lock
-from ._paths import cache_root
+from ._paths import cache_root, check_private
 from .modules import ModuleSpec
 from .platform import JitError, check_arch, current_arch, platform_of
 from .toolchain import find_toolchain, parse_resources, supported_wave
@@ -165,6 +165,8 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
     want_rebuild = force or (os.environ.get("HIPKERN_REBUILD") == "1" and (spec.name, arch) not in _rebuilt)
     t0 = time.perf_counter()
     if so.is_file() and not want_rebuild:
+        for d in (arch_dir, final_dir):  # (made 0700 by this user: anything else was put there)
+            check_private(d)
         return BuildResult(spec, arch, so, False, time.perf_counter() - t0, _resources(final_dir))
     seconds = None  # compile time when this call built it
     try:
