@@ -106,7 +106,8 @@ def poison_next_alloc(device, *specs) -> None:
 
 
 def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
-    """Fill the memory torch's caching allocator will hand out next on `device` with NaN, whichever free block
+    """Fill the memory torch's caching allocator will hand out next on `device` with NaN (NAN_WORD: NaN read as any
+    float type, 32, 16 or 8 bits), whichever free block
     each of an op's next buffers lands in (a workspace, then an intermediate), unlike poison_next_alloc, which
     aims at given sizes. The cached segments no tensor uses are released; every free block left inside the
     others (beside live tensors) is claimed at its exact size (pieces of at most 1 MB in the pool for small
@@ -126,10 +127,20 @@ def poison_free_memory(device, small_mb: int = 16, large_mb: int = 64) -> None:
             break
         for kind, size in sorted(free, key=lambda f: f[1]):  # smallest first: each the best fit for itself
             pieces = [size] if kind == "large" else [min(1 << 20, size - o) for o in range(0, size, 1 << 20)]
-            held += [torch.full((n // 4,), math.nan, device=dev) for n in pieces if n >= 4]
-    held += [torch.full((1 << 18,), math.nan, device=dev) for _ in range(small_mb)]
-    held += [torch.full((1 << 22,), math.nan, device=dev) for _ in range(large_mb // 16)]
+            held += [_nan_words(n // 4, dev) for n in pieces if n >= 4]
+    held += [_nan_words(1 << 18, dev) for _ in range(small_mb)]
+    held += [_nan_words(1 << 22, dev) for _ in range(large_mb // 16)]
     del held
+
+
+# A 32-bit word that reads as NaN in every float type an op's buffer may have: float32 (0x7FFF7FFF), each half as
+# bfloat16 and float16 (0x7FFF), each byte as float8 e4m3fn / e5m2 (0x7F, 0xFF); a float32 NaN (0x7FC00000) reads
+# as 0.0, NaN, 0.0, ... in 16-bit halves. As int32 it is 2^31 - 32769, as int16 32767: no index an op takes.
+NAN_WORD = 0x7FFF7FFF
+
+
+def _nan_words(n: int, device) -> torch.Tensor:
+    return torch.full((n,), NAN_WORD, dtype=torch.int32, device=device)
 
 
 def rows_scaled(got: torch.Tensor, ref: torch.Tensor, cap: float = 1.0):
@@ -140,7 +151,10 @@ def rows_scaled(got: torch.Tensor, ref: torch.Tensor, cap: float = 1.0):
     meant for O(1) outputs would pass rows read from the wrong memory), and unchanged where s = cap. The
     relative part is unchanged, a NaN stays a NaN, and a nonzero element of an all-zero reference row
     becomes huge."""
-    s = ref.detach().float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-24, max=cap)
+    # (a NaN or infinity in the reference does not set its row's scale: a NaN scale would make the whole row NaN on
+    # both sides, which compares equal, and hide every error in it)
+    s = ref.detach().float().abs().nan_to_num(nan=0.0, posinf=cap).amax(dim=-1, keepdim=True)
+    s = s.clamp(min=2.0**-24, max=cap)
     return got.detach().float() / s, ref.detach().float() / s
 
 

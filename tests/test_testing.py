@@ -60,6 +60,18 @@ def test_rows_scaled_tightens_atol_for_small_rows_only(capsys):
         assert _check(capsys, *rows_scaled(wrong, ref), atol=8e-3, rtol=8e-3)[0] > 0
 
 
+def test_rows_scaled_keeps_errors_in_a_row_whose_reference_has_a_nan_or_inf(capsys):
+    """A NaN in a reference row made the row's scale NaN, so the whole row compared NaN against NaN (equal) and
+    every error in it passed; an infinity made the scale the cap, as any large element does."""
+    for bad in (math.nan, math.inf):
+        ref = torch.randn(2, 4, dtype=torch.float64)
+        ref[0, 0] = bad
+        got = ref.clone()
+        assert _check(capsys, *rows_scaled(got, ref))[0] == 0  # the same non-finite value on both sides
+        got[0, 1:] += 100
+        assert _check(capsys, *rows_scaled(got, ref))[0] == pytest.approx(3 / 8)
+
+
 def test_identical_passes_with_msg_prefix(capsys):
     b = torch.randn(64, 33)
     res, out = _check(capsys, b.clone(), b, atol=1e-3, rtol=1e-4, msg="layer7 q_proj ")
@@ -227,8 +239,22 @@ def test_poison_free_memory_poisons_every_buffer_an_op_makes_next():
     del olds
     poison_free_memory("cuda")
     bufs = [torch.empty(n, device="cuda") for n in (5760, 1000, 64, 32000, 300_000, 1 << 21)]  # all alive at once
+    # 16-bit buffers (fused_moe's bf16 / fp16 intermediate) too: every element, not every other one
+    bufs += [torch.empty(n, dtype=dt, device="cuda") for n, dt in ((4096, torch.bfloat16), (70_001, torch.float16))]
     for b in bufs:
-        assert bool(b.isnan().all()), b.numel()
+        assert bool(b.isnan().all()), (b.numel(), b.dtype)
+
+
+def test_the_free_memory_poison_is_nan_in_every_float_type():
+    """poison_free_memory's word reads NaN as float32, as both bfloat16 / float16 halves and as every float8 byte
+    (a float32 NaN reads 0.0 in every other 16-bit element), and as no small integer."""
+    from hipkern.testing import NAN_WORD, _nan_words
+
+    w = _nan_words(8, "cpu")
+    assert (w == NAN_WORD).all()
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        assert bool(w.view(dt).float().isnan().all()), dt
+    assert int(w.view(torch.int16).min()) == 32767 and int(w[0]) == 2**31 - 32769
 
 
 def test_poison_refuses_bool():
