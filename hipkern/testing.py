@@ -337,11 +337,14 @@ def perftest(num_iters: int = 100, num_warmup: int = 10, rotate_bytes: int | Non
 
 
 class BenchTable:
-    """Rows of a benchmark: printed as 'Timestamp,<columns>' CSV lines and written with pandas."""
+    """Rows of a benchmark: printed as 'Timestamp,<columns>' CSV lines (floats to 2 decimals, or to `decimals`
+    [column] of them: a rate judged against a bar such as 2.8 TB/s must not print as 2.80 at 2.795) and written
+    with pandas (4 decimals)."""
 
-    def __init__(self, columns: list[str], title: str = ""):
+    def __init__(self, columns: list[str], title: str = "", decimals: dict | None = None):
         self.columns = ["Timestamp"] + list(columns)
         self.title = title
+        self.decimals = decimals or {}
         self.rows: list[dict] = []
 
     def add(self, **row) -> dict:
@@ -352,14 +355,13 @@ class BenchTable:
         self.rows.append(row)
         return row
 
-    @staticmethod
-    def _cell(v) -> str:
-        return f"{v:.2f}" if isinstance(v, float) else str(v)
+    def _cell(self, column: str, v) -> str:
+        return f"{v:.{self.decimals.get(column, 2)}f}" if isinstance(v, float) else str(v)
 
     def render(self) -> str:
         lines = [self.title] if self.title else []
         lines.append(",".join(self.columns))
-        lines += [",".join(self._cell(r[c]) for c in self.columns) for r in self.rows]
+        lines += [",".join(self._cell(c, r[c]) for c in self.columns) for r in self.rows]
         return "\n".join(lines)
 
     def print(self) -> None:

@@ -1,5 +1,8 @@
 """The benchmarks' bar report (hipkern.bench.bars) on hand-made rows: each bar met and missed."""
+import math
+
 import pytest
+import torch
 
 from hipkern.bench import bars
 
@@ -200,3 +203,40 @@ def test_moe_skew_arithmetic_note_only_where_the_bar_asks_more_than_52_tflops():
             _moe("bfloat16", 128, 8192, 6144, 8, 2, "uniform", 1000.0, 2415.9),
             _moe("bfloat16", 128, 8192, 6144, 8, 2, "skewed", 1000.0, 604.0)]
     assert not any("TFLOP/s of fp32" in line for line in bars.moe(rows))
+
+
+def test_moe_check_covers_every_timed_routing():
+    """The benchmark times some cases over three routings; a kernel wrong on any one of them (or leaving an
+    element of the poisoned output unwritten) fails the row's check, not only one wrong on the first."""
+    from hipkern.bench.moe import check_routings
+    from hipkern.reference import fused_moe_ref
+
+    g = torch.Generator().manual_seed(0)
+    t, d, i, e, k = 3, 16, 8, 6, 2
+    x = torch.randn(t, d, generator=g)
+    w1, w2 = torch.randn(e, 2 * i, d, generator=g) * 0.3, torch.randn(e, d, i, generator=g) * 0.3
+    sets = [(torch.rand(t, k, generator=g), torch.randint(0, e, (t, k), generator=g, dtype=torch.int32))
+            for _ in range(3)]
+    out = torch.empty_like(x)
+
+    def right(w, ids):
+        return out.copy_(fused_moe_ref(x, w1, w2, w, ids))
+
+    def wrong_on(j):
+        def custom(w, ids):
+            right(w, ids)
+            if ids is sets[j][1]:
+                out[0, 0] += 1.0
+            return out
+        return custom
+
+    def unwritten(w, ids):
+        out[1:] = fused_moe_ref(x, w1, w2, w, ids)[1:]
+        return out
+
+    assert check_routings(right, out, sets, x, w1, w2)[0] == 0
+    for j in range(3):
+        err, max_err = check_routings(wrong_on(j), out, sets, x, w1, w2)
+        assert err > 0 and max_err == pytest.approx(1.0, rel=1e-4), j
+    err, max_err = check_routings(unwritten, out, sets, x, w1, w2)
+    assert err > 0 and math.isnan(max_err)

@@ -399,6 +399,13 @@ def test_benchtable_render():
     assert lines[3].endswith(",4096,8192,250.00,345.68")
 
 
+def test_benchtable_prints_the_bars_rates_to_their_decimals():
+    """A rate of 2.795 TB/s against a 2.8 bar printed as 2.80 at the default 2 decimals."""
+    t = BenchTable(["us", "TBps"], decimals={"TBps": 3})
+    t.add(us=96.4, TBps=2.7953)
+    assert t.render().splitlines()[-1].endswith(",96.40,2.795")
+
+
 def test_benchtable_to_csv_roundtrip(tmp_path):
     df = pd.read_csv(_table().to_csv(tmp_path / "sub" / "bench.csv"))
     assert list(df.columns) == ["Timestamp", "M", "N", "us", "TFLOPS"] and len(df) == 2
