@@ -59,30 +59,29 @@ def validated(cache: dict, check, tensors: tuple, scalars: tuple, *args) -> None
     tensor's strides read as a dense one's) or scalar types, and calls while compiling, are checked in full.
     Validation was ~11 us of an eager paged-attention call's host time (H200 host, csrc_hip/paged_attention/NOTES.md,
     2026-11-28 (13)); the key costs about a third of it."""
-    if torch.compiler.is_compiling():  # (traced: nothing here to memoise)
+    key = None if torch.compiler.is_compiling() else _arguments_key(check, tensors, scalars)  # (traced: no memo)
+    if key is None:
         check(*args)
-        return
-    key = [check]  # (a plain loop: generators cost ~1 us more a call)
+    elif key not in cache:  # (a hit makes no closure)
+        memo(cache, key, lambda: check(*args) or True)
+
+
+def _arguments_key(check, tensors: tuple, scalars: tuple) -> tuple | None:
+    """validated's key, or None where an argument is not a plain strided tensor (or None) or a plain scalar. A plain
+    loop: generators cost ~1 us more a call."""
+    key = [check]
     for t in tensors:
         if t is None:
             key.append(None)
         elif type(t) is torch.Tensor and not t.is_nested and t.layout is torch.strided:
             key.append((t.shape, t.stride(), t.dtype, t.device))
         else:
-            key = None
-            break
-    if key is not None:
-        for s in scalars:
-            if type(s) not in _PLAIN_SCALARS:
-                key = None
-                break
-            key += (type(s), s)
-    if key is None:
-        check(*args)
-    else:
-        key = tuple(key)
-        if key not in cache:
-            memo(cache, key, lambda: check(*args) or True)
+            return None
+    for s in scalars:
+        if type(s) not in _PLAIN_SCALARS:
+            return None
+        key += (type(s), s)
+    return tuple(key)
 
 
 def choice_inputs() -> tuple:
