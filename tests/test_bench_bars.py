@@ -179,6 +179,32 @@ def test_bench_cli_refuses_block_m_128_where_the_cases_include_float32(capsys):
         assert e.value.code == 2 and "--block-m 128 takes --dtype bf16" in capsys.readouterr().err
 
 
+def test_bench_cli_all_keeps_extra_benchmarks_named_beside_it(monkeypatch, tmp_path):
+    """`all` runs every benchmark of BENCHES; an EXTRA one named beside it (the partition sweep) runs too, once
+    (it was dropped: "all" replaced the whole list); an unknown name is still refused."""
+    import torch
+
+    from hipkern import bench
+    from hipkern.bench import __main__ as cli
+
+    ran = []
+    fake = lambda name: lambda out, quick=False: ran.append(name) or 0  # noqa: E731
+    monkeypatch.setattr(cli, "BENCHES", {n: fake(n) for n in ("moe", "paged_attention", "topk_softmax")})
+    monkeypatch.setattr(cli, "EXTRA", {"paged_attention_sweep": fake("paged_attention_sweep")})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "device_line", lambda: "device: test")
+    assert cli.main(["all", "paged_attention_sweep", "--out", str(tmp_path)]) == 0
+    assert ran == ["moe", "paged_attention", "topk_softmax", "paged_attention_sweep"]
+    ran.clear()
+    assert cli.main(["paged_attention_sweep", "all", "moe", "--out", str(tmp_path)]) == 0
+    assert ran == ["moe", "paged_attention", "topk_softmax", "paged_attention_sweep"]
+    ran.clear()
+    assert cli.main(["all", "--out", str(tmp_path)]) == 0
+    assert ran == ["moe", "paged_attention", "topk_softmax"]
+    with pytest.raises(SystemExit):
+        cli.main(["all", "nonsense"])
+
+
 def test_moe_fp32_128_token_floors_are_the_larger_of_weights_and_arithmetic():
     """The issue's floors for the fp32 Mixtral-like 128-token shapes: the weights at 3.0 TB/s (uniform: 1.6 /
     4.3 ms) or the arithmetic at 52 TFLOP/s (1.5 / 4.0 ms), the larger. Skewed routing reads 2 experts' weights

@@ -27,10 +27,12 @@ def main(argv=None) -> int:
         ap.error("--block-m 128 takes --dtype bf16: fused_moe offers block_m 128 for 16-bit types only, and the "
                  "moe benchmark's cases include float32 otherwise")
     options = {"cases": args.cases, "dtype": args.dtype, "block_m": args.block_m}
-    names = sorted(BENCHES) if "all" in args.which else args.which
+    # "all" is every benchmark of BENCHES; names of EXTRA beside it still run (after them)
+    names = (sorted(BENCHES) + [n for n in args.which if n != "all" and n not in BENCHES]
+             if "all" in args.which else args.which)
     unknown = [n for n in names if n not in BENCHES and n not in EXTRA]
     if unknown:
-        ap.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)} or all")
+        ap.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}, {sorted(EXTRA)} or all")
     import torch
 
     if not torch.cuda.is_available():
