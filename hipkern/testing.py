@@ -188,13 +188,64 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
+def _cloneable(t: torch.Tensor) -> bool:
+    """A plain strided tensor whose memory _clone can copy as bytes (else it takes t.clone())."""
+    return ((type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)) and t.layout == torch.strided
+            and not t.is_nested and t.device.type != "meta" and t.numel() > 0)
+
+
+def _regions(tensors) -> dict:
+    """The memory the tensors reach, per storage: {(device, storage address): [storage, first, end)} in byte
+    addresses. An expanded tensor reaches its base only, views of one storage count once."""
+    out: dict = {}
+    for t in tensors:
+        if not _cloneable(t):
+            continue
+        lo = t.data_ptr()
+        hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        st = t.untyped_storage()
+        r = out.setdefault((t.device, st.data_ptr()), [st, lo, hi])
+        r[1], r[2] = min(r[1], lo), max(r[2], hi)
+    return out
+
+
+def _input_bytes(tensors) -> int:
+    """Bytes of memory the tensors occupy: their regions, plus what the others (sparse, nested) hold."""
+    tensors = list(tensors)
+    return (sum(hi - lo for _, lo, hi in _regions(tensors).values())
+            + sum(t.numel() * t.element_size() for t in tensors if not _cloneable(t)))
+
+
+_ALIGN = 256  # a copy's address keeps the original's remainder modulo this (16-byte checks, vector loads)
+
+
 def _clone(obj):
+    """`obj` with its tensors copied into fresh memory laid out as theirs: the same shapes and strides (a strided
+    or expanded input stays so), the same address modulo 256 bytes, and tensors that shared memory share the
+    copy (views of one buffer, an output that is an input). Other tensors (sparse, nested) take t.clone()."""
+    tensors = list(_tensors(obj))
+    fresh = {}  # storage key -> (copy of the region, byte shift from an original address into it)
+    for key, (st, lo, hi) in _regions(tensors).items():
+        src = torch.empty(0, dtype=torch.uint8, device=key[0]).set_(st, lo - st.data_ptr(), (hi - lo,), (1,))
+        buf = torch.empty(_ALIGN + hi - lo, dtype=torch.uint8, device=key[0])
+        pad = (lo - buf.data_ptr()) % _ALIGN  # buf.data_ptr() + pad = lo (mod _ALIGN)
+        buf[pad:pad + hi - lo].copy_(src)
+        fresh[key] = (buf, pad - lo)
+    return _rebuild(obj, fresh)
+
+
+def _rebuild(obj, fresh: dict):
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        if not _cloneable(obj):
+            return obj.clone()
+        buf, shift = fresh[(obj.device, obj.untyped_storage().data_ptr())]
+        t = torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
+            buf.untyped_storage(), (obj.data_ptr() + shift) // obj.element_size(), obj.shape, obj.stride())
+        return t.requires_grad_(obj.requires_grad)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(o) for o in obj)
+        return type(obj)(_rebuild(o, fresh) for o in obj)
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
+        return {k: _rebuild(v, fresh) for k, v in obj.items()}
     return obj
 
 
@@ -202,8 +253,9 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
                  max_copies: int = 64, **kwargs):
     """Time ``func(*args, **kwargs)``; returns (output of the last call, median microseconds).
 
-    GPU inputs: each timed call gets its own device-event pair. Tensor arguments are cloned into
-    enough copies that the calls cycle over more than `rotate_bytes` (default 2x L2); when that would
+    GPU inputs: each timed call gets its own device-event pair. Tensor arguments are copied (each copy laid
+    out as they are: strides, alignment, shared memory) into enough copies that the calls cycle over more than
+    `rotate_bytes` (default 2x L2) of the memory they occupy; when that would
     need more than `max_copies` copies, L2 is flushed before each call instead (outside the timed
     span). The stream is first held by a spin kernel long enough for all launches to queue, so the
     events measure device time, not Python's launch overhead. CPU inputs: host clock, same protocol.
@@ -212,7 +264,7 @@ def run_perftest(func, *args, num_iters: int = 100, num_warmup: int = 10, rotate
         raise ValueError(f"num_iters must be >= 1, got {num_iters}")
     tensors = list(_tensors((args, kwargs)))
     on_gpu = any(t.is_cuda for t in tensors) or (not tensors and torch.cuda.is_available())
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    nbytes = _input_bytes(tensors)
     target = rotate_bytes if rotate_bytes is not None else 2 * l2_bytes()
     copies = min(max_copies, max(1, math.ceil(target / max(nbytes, 1))))
     flush = on_gpu and copies * nbytes < target
@@ -284,7 +336,7 @@ def run_graphtest(func, *args, num_iters: int = 20, rotate_bytes: int | None = N
     if num_iters < 1:
         raise ValueError(f"num_iters must be >= 1, got {num_iters}")
     tensors = list(_tensors((args, kwargs)))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    nbytes = _input_bytes(tensors)
     target = rotate_bytes if rotate_bytes is not None else 2 * l2_bytes()
     need = max(1, math.ceil(target / nbytes)) if nbytes else max_copies
     copies = min(need, max_copies * max_graphs)

@@ -348,6 +348,56 @@ def test_run_perftest_flush_times_reads_from_memory_not_l2():
     assert flushed > 1.1 * warm, f"flushed {flushed:.2f} us against warm {warm:.2f} us"
 
 
+def test_run_perftest_copies_keep_strides_alignment_and_shared_memory():
+    """Each rotated copy is laid out as the original: a strided view stays strided (not made contiguous), the
+    address keeps its remainder modulo 256 bytes, and arguments that shared memory (two views of one buffer, an
+    output that is an input) share the copy. Values are the originals'."""
+    seen = []
+
+    def f(x, kv_k, kv_v, out):
+        seen.append((x, kv_k, kv_v, out))
+        return out
+
+    x = torch.randn(64, 64)[:, ::2]  # strided
+    kv = torch.randn(2, 3, 256)[:, :, 4:]  # two views of one buffer, rows padded, offset 16 bytes
+    k, v = kv[0], kv[1]
+    run_perftest(f, x, k, v, out=x, num_iters=4, num_warmup=1, rotate_bytes=1 << 18)
+    assert len({c[0].data_ptr() for c in seen}) > 1
+    for cx, ck, cv, cout in seen:
+        assert cx.stride() == x.stride() and ck.stride() == k.stride() and cv.stride() == v.stride()
+        assert torch.equal(cx, x) and torch.equal(ck, k) and torch.equal(cv, v)
+        assert cout.data_ptr() == cx.data_ptr() and cout.stride() == cx.stride()
+        assert cv.data_ptr() - ck.data_ptr() == v.data_ptr() - k.data_ptr()
+        assert ck.data_ptr() % 256 == k.data_ptr() % 256
+
+
+def test_run_perftest_counts_memory_not_elements():
+    """The rotation counts the bytes the inputs occupy: an expanded tensor its base (16 KiB, not its 16 MiB of
+    elements), views of one buffer once. Copies of an expanded input stay expanded."""
+    f, seen = _recorder()
+    x = torch.randn(1, 4096).expand(1024, 4096)  # 16 KiB of memory, 16 MiB of elements
+    run_perftest(f, x, num_iters=6, num_warmup=2, rotate_bytes=4 * 4096 * 4)
+    assert len({t.data_ptr() for t in seen}) == 4
+    assert all(t.stride() == (0, 1) and torch.equal(t, x) for t in seen)
+    from hipkern.testing import _input_bytes
+    kv = torch.randn(2, 1024)
+    assert _input_bytes([kv[0], kv[1], kv]) == 2 * 1024 * 4
+    assert _input_bytes([torch.randn(8, 8)[:, :2]]) == (7 * 8 + 2) * 4  # first to last element reached
+
+
+def test_run_perftest_copies_other_layouts_with_clone():
+    """A sparse argument (no strides to copy as bytes) is still copied, by clone()."""
+    seen = []
+
+    def f(a, d):
+        seen.append(a)
+        return d
+
+    a = torch.eye(64).to_sparse()
+    run_perftest(f, a, torch.randn(64), num_iters=3, num_warmup=1, rotate_bytes=1 << 16)
+    assert len(seen) == 4 and all(torch.equal(t.to_dense(), torch.eye(64)) for t in seen)
+
+
 def test_run_perftest_rejects_no_iters():
     f, seen = _recorder()
     with pytest.raises(ValueError, match="num_iters"):
