@@ -1,8 +1,9 @@
-"""Randomized correctness sweep ("fuzz") for paged_attention_decode and fused_moe.
+"""Randomized correctness sweep ("fuzz") for paged_attention_decode and fused_moe, and the routing ops
+topk_softmax, grouped_topk and moe_sorting.
 
-Draws random *combinations* of what tests/test_paged_attention*.py and tests/test_fused_moe*.py cover
-on grids; checks each against those tests' references and per-dtype tolerances (checkAllclose,
-tol_err_ratio 0), writing into NaN-poisoned out= buffers.
+Draws random *combinations* of what tests/test_paged_attention*.py, tests/test_fused_moe*.py and the routing
+ops' tests cover on grids; checks each against those tests' references and per-dtype tolerances (checkAllclose,
+tol_err_ratio 0; integer outputs exactly), writing into NaN-poisoned out= buffers.
 
   paged_attention: dtype, head size, block size (every power of two 1..1024), KV heads 1..8, GQA group,
     NHD/HND, batch 1..40, context lengths mixing 0, 1, block edges, tile/partition edges, random up to
@@ -13,24 +14,47 @@ tol_err_ratio 0), writing into NaN-poisoned out= buffers.
     one fused tensor, padded head rows, the query a slice of qkv or not 16-byte aligned, the block table
     the first columns of a wider one: pa_cases.strided_like).
     Each case runs variant=None and every registered variant (sometimes an alias) against one reference.
-  fused_moe: dtype (bf16/fp16, sometimes fp32), T, D, I, E, topk (sometimes up to 16), a routing pattern (uniform, all tokens
-    on the same k experts, half the experts empty, 80% of pairs on one expert), sometimes an expert_map
-    with remote experts, variant and block_m where the op accepts them, silu/gelu; then the same call
+  fused_moe: dtype (bf16/fp16, sometimes fp32), T, D, I, E, topk (sometimes up to 16), a routing pattern
+    (uniform, all tokens on the same k experts, half the experts empty, 80% of pairs on one expert), sometimes
+    an expert_map with remote experts, variant and block_m where the op accepts them, silu/gelu; then the same call
     again must give the same bits.
+  The routing ops (tests/fuzz_routing.py), each: tokens 0, 1, block edges, up to 4096, sometimes up to 20000;
+    logits N(0, scale^2) or tie-heavy (a few values with -0.0 and 0.0, multiples of 1/4, rows of one value)
+    or with -inf (a finite logit a row); sometimes the inputs and out= 1..3 elements into their buffers (not
+    16-byte aligned). Each case calls the op with out= (poisoned, with poisoned guard elements after each
+    output that must stay so), then in the functional form into poisoned allocations: the same bits.
+  topk_softmax: fp32/fp16/bf16, E (the tests' counts or any) 1..512, topk 1..min(16, E), renormalize on/off;
+    ids exactly the reference's (the op ranks the logits themselves: equal ones to the lower expert), weights
+    within the test's tolerance.
+  grouped_topk: fp32/fp16/bf16, (E, groups, kept groups) from the tests' configs or any groups 1..64 of
+    1..512/groups experts, topk 1..min(16, kept experts), sigmoid/softmax scoring, top2/max group scoring, no
+    bias, a random one or one in multiples of 1/8 (exact ties), renormalize on/off, a routed_scaling_factor
+    (1, 2.5, 16, 0.5, 0, -1 or random); the weights are the scores at the ids, the ids the float64
+    reference's (exact ties: the lower index on both sides), except in rows with a near-tie, which may take
+    any top-k that float32 noise allows (test_grouped_topk's judgement, without its bound on how many such
+    rows there are; near-ties: distinct scores within float32 noise, and what the test's inputs lack: an
+    exact tie at a cut with such a score beside it, groups tied by equal sums of different pairs).
+  moe_sorting: E (edges or any) 1..1024, k 1..16 (sometimes up to 64), pairs at the kernels' bounds (256,
+    4096, chunks of 2048), block_m (edges or any) 1..1024, ids distinct per token, uniform with repeats, all
+    on one expert, the same k experts, from 3 experts, from half of them or 80 % on one; sometimes an
+    expert_map (local ids ascending or permuted, a share of experts remote, or all remote), sometimes
+    validate=True; all three outputs exactly the reference's.
 
 Run from the repository root, on a GPU:
-    PYTHONPATH=. python3 tests/fuzz.py [--seconds 150] [--seed 0] [--op paged_attention|fused_moe|both]
+    PYTHONPATH=. python3 tests/fuzz.py [--seconds 150] [--seed 0] [--op OP|both|routing|all]
     PYTHONPATH=. python3 tests/fuzz.py --op fused_moe --case-seed K   # rerun one case, verbosely
-    PYTHONPATH=. python3 tests/fuzz.py --dry-run 100                  # draw + validate only, no GPU
-Modules are JIT-built on first use, within the time budget: prebuild them (python3 -m hipkern.build
---only paged_attention, then --only fused_moe) to spend it on cases. Prints one line per failing run
+    PYTHONPATH=. python3 tests/fuzz.py --dry-run 100 [--op all]       # draw + validate only, no GPU
+--op both (the default) runs paged_attention and fused_moe; routing runs topk_softmax, grouped_topk and
+moe_sorting; all runs the five. Modules are JIT-built on first use, within the time budget: prebuild them
+(python3 -m hipkern.build --only paged_attention, then --only fused_moe, --only topk_softmax, --only
+grouped_topk, --only moe_sorting) to spend it on cases. Prints one line per failing run
 (case seed, mismatch share, parameters) and per unexpected rejection (a ValueError from the op: every drawn
 case passes its validation), the first expected ones (a GPU's documented limits, expected_rejection), then a
 table; exit status 1 if any run failed or was rejected unexpectedly, or an op ran no case. --seconds is a
 target: the case in progress finishes, and each op runs at least one case. With $OUT set, every case is also
 written to $OUT/fuzz_cases.jsonl.
 """
-import argparse, collections, importlib, json, math, os, random, sys, time  # noqa: E401
+import argparse, collections, functools, importlib, json, math, os, random, sys, time  # noqa: E401
 
 import torch
 
@@ -47,6 +71,7 @@ DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.flo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_cases import TOL as MOE_TOL  # noqa: E402
 from pa_cases import LSE_TOL, TOL as PA_TOL, strided_like  # noqa: E402
+import fuzz_routing as R  # noqa: E402
 PA_KV_BYTES, MOE_W_BYTES = 300 << 20, 200 << 20  # per case: the K + V pool; w1 + w2
 GROUPS = (1, 2, 3, 4, 5, 8, 16, 24, 40, 64)  # all <= P.MAX_GQA
 BLOCK_SIZES = (1, 2, 4, 8, 16, 16, 16, 32, 32, 32, 64, 128, 256, 512, 1024)  # the op: powers of two <= 1024
@@ -138,7 +163,8 @@ def run_pa(c, seed, verbose):
             o, lse = got if c["lse"] else (got, None)
             if o is not out:
                 return 1.0, "the result is not out="
-            share, msgs = checkAllclose(*rows_scaled(o, ref), msg=f"{variant} out ", printLog=verbose, **PA_TOL[dtype]), []
+            share, msgs = checkAllclose(*rows_scaled(o, ref), msg=f"{variant} out ", printLog=verbose,
+                                        **PA_TOL[dtype]), []
             if lse is not None:
                 share = max(share, checkAllclose(lse, ref_lse, msg=f"{variant} lse ", printLog=verbose, **LSE_TOL))
                 msgs += ["lse of an empty context is not -inf"] if (lse[zero] != -math.inf).any() else []
@@ -187,7 +213,8 @@ def draw_moe(rng):
     else:
         d, i = 64, 64
     gemv = list(M.gemv_variants(DT[dtype]))
-    variant = rng.choice([None, M.VARIANT] + ["decode"] * (t * k <= M.DECODE_MAX_PAIRS) + gemv * M.gemv_fits(t, k, d, i))
+    variant = rng.choice([None, M.VARIANT] + ["decode"] * (t * k <= M.DECODE_MAX_PAIRS)
+                         + gemv * M.gemv_fits(t, k, d, i))
     bms = [b for b in M.block_ms_for(DT[dtype]) if variant != "decode" or b <= M.DECODE_MAX_BLOCK_M]
     return dict(dtype=dtype, tokens=t, model_dim=d, inter_dim=i, experts=e, topk=k, routing=rng.choice(ROUTINGS),
                 remote=remote, n_local=n_local, variant=variant, block_m=rng.choice([None] + bms),
@@ -262,9 +289,6 @@ def validate_moe(c, seed):
 
 
 # -------------------------------------------------------------------------------------- driver
-OPS = {"paged_attention": (draw_pa, run_pa, validate_pa), "fused_moe": (draw_moe, run_moe, validate_moe)}
-
-
 def expected_rejection(op, c, variant, msg):
     """Whether a launch-time refusal is a GPU's documented limit, not a wrong refusal of a valid case: CDNA's
     matrix-core paged-attention kernels (v16, v5 and their names) at head size 256 (their tiles do not fit
@@ -296,6 +320,13 @@ def verdict(validate, *args):
     except ValueError as e:
         return "ok" if "must be on a GPU" in str(e) else f"rejected: {e}"
     return "accepted a meta tensor?!"
+
+
+# op -> (draw, run, validate); the routing ops' from tests/fuzz_routing.py, given this file's attempt and verdict.
+OPS = {"paged_attention": (draw_pa, run_pa, validate_pa), "fused_moe": (draw_moe, run_moe, validate_moe),
+       **{op: (draw, functools.partial(run, attempt=attempt), functools.partial(validate, verdict=verdict))
+          for op, (draw, run, validate) in R.ROUTING.items()}}
+OP_GROUPS = {"both": ["paged_attention", "fused_moe"], "routing": list(R.ROUTING), "all": list(OPS)}
 
 
 def one_case(op, seed, verbose=False):
@@ -358,7 +389,7 @@ def fuzz(args, ops):
 
 def rerun(args, ops):
     if len(ops) != 1:
-        sys.exit("--case-seed needs --op paged_attention or --op fused_moe")
+        sys.exit(f"--case-seed needs one op: --op {' | '.join(OPS)}")
     c, results, dt = one_case(ops[0], args.case_seed, verbose=True)
     print(f"{ops[0]} case {args.case_seed} ({dt:.2f}s): {json.dumps(c)}")
     for r in results:
@@ -369,6 +400,8 @@ def rerun(args, ops):
 
 def features(op, c):
     """What --dry-run counts per case."""
+    if op in R.ROUTING:
+        return R.features(c)
     bucket = lambda n, edges: next((f"<={e}" for e in edges if n <= e), f">{edges[-1]}")
     if op == "paged_attention":
         keys = "dtype head_size block_size num_kv_heads group layout share nan_pad lse trimmed".split()
@@ -392,7 +425,7 @@ def dry_run(args, ops):
             c = OPS[op][0](random.Random(seed))
             v = OPS[op][2](c, seed)
             verdicts.update(v)
-            big = max(big, c.get("kv_mb", c.get("w_mb", 0)))
+            big = max(big, c.get("kv_mb", c.get("w_mb", c.get("mb", 0))))
             for key, value in features(op, c).items():
                 seen.setdefault(key, collections.Counter())[value] += 1
             print(f"{op} case_seed={seed} {json.dumps(c, separators=(',', ':'))} -> {sorted(set(v))}")
@@ -408,13 +441,14 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=150.0, help="time budget, split evenly between the ops")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--op", choices=("paged_attention", "fused_moe", "both"), default="both")
+    ap.add_argument("--op", choices=(*OPS, *OP_GROUPS), default="both",
+                    help="one op, or both (paged_attention, fused_moe), routing (the three routing ops) or all")
     ap.add_argument("--case-seed", type=int, help="rerun this one case of --op, verbosely")
     ap.add_argument("--dry-run", type=int, metavar="N", help="draw N cases per op, print and validate them; no GPU")
     args = ap.parse_args()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    ops = list(OPS) if args.op == "both" else [args.op]
+    ops = OP_GROUPS.get(args.op, [args.op])
     if args.dry_run:
         return dry_run(args, ops)
     if not torch.cuda.is_available():
