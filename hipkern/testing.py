@@ -189,14 +189,19 @@ def _tensors(obj):
 
 
 def _cloneable(t: torch.Tensor) -> bool:
-    """A plain strided tensor whose memory _clone can copy as bytes (else it takes t.clone())."""
+    """A plain strided tensor whose memory _clone can copy as bytes (else it takes t.clone()): its values are its
+    bytes (no lazy conjugate or negation bit, no quantisation), at an address aligned to its elements, and no
+    autograd history to keep (a copy would be a leaf)."""
     return ((type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)) and t.layout == torch.strided
-            and not t.is_nested and t.device.type != "meta" and t.numel() > 0)
+            and not (t.is_nested or t.is_quantized or t.is_conj() or t.is_neg() or t.requires_grad)
+            and t.device.type != "meta" and t.numel() > 0 and t.data_ptr() % t.element_size() == 0)
 
 
 def _regions(tensors) -> dict:
     """The memory the tensors reach, per storage: {(device, storage address): [storage, first, end)} in byte
-    addresses. An expanded tensor reaches its base only, views of one storage count once."""
+    addresses. An expanded tensor reaches its base only, views of one storage count once. A storage whose
+    tensors are sparse in it (a column of a matrix, two views far apart: their span more than 4x their elements'
+    bytes and 64 KB) is left out: its tensors are copied compactly by clone(), as _input_bytes counts them."""
     out: dict = {}
     for t in tensors:
         if not _cloneable(t):
@@ -204,16 +209,21 @@ def _regions(tensors) -> dict:
         lo = t.data_ptr()
         hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
         st = t.untyped_storage()
-        r = out.setdefault((t.device, st.data_ptr()), [st, lo, hi])
-        r[1], r[2] = min(r[1], lo), max(r[2], hi)
-    return out
+        r = out.setdefault((t.device, st.data_ptr()), [st, lo, hi, 0])
+        r[1], r[2], r[3] = min(r[1], lo), max(r[2], hi), r[3] + t.numel() * t.element_size()
+    return {k: r[:3] for k, r in out.items() if r[2] - r[1] <= max(4 * r[3], 64 << 10)}
 
 
 def _input_bytes(tensors) -> int:
-    """Bytes of memory the tensors occupy: their regions, plus what the others (sparse, nested) hold."""
+    """Bytes of memory the tensors occupy: their regions, plus what the others (sparse, nested, spread out) hold."""
     tensors = list(tensors)
-    return (sum(hi - lo for _, lo, hi in _regions(tensors).values())
-            + sum(t.numel() * t.element_size() for t in tensors if not _cloneable(t)))
+    regions = _regions(tensors)
+    return (sum(hi - lo for _, lo, hi in regions.values())
+            + sum(t.numel() * t.element_size() for t in tensors if not _in_region(t, regions)))
+
+
+def _in_region(t: torch.Tensor, regions: dict) -> bool:
+    return _cloneable(t) and (t.device, t.untyped_storage().data_ptr()) in regions
 
 
 _ALIGN = 256  # a copy's address keeps the original's remainder modulo this (16-byte checks, vector loads)
@@ -222,7 +232,8 @@ _ALIGN = 256  # a copy's address keeps the original's remainder modulo this (16-
 def _clone(obj):
     """`obj` with its tensors copied into fresh memory laid out as theirs: the same shapes and strides (a strided
     or expanded input stays so), the same address modulo 256 bytes, and tensors that shared memory share the
-    copy (views of one buffer, an output that is an input). Other tensors (sparse, nested) take t.clone()."""
+    copy (views of one buffer, an output that is an input). Other tensors (see _cloneable and _regions) take
+    t.clone()."""
     tensors = list(_tensors(obj))
     fresh = {}  # storage key -> (copy of the region, byte shift from an original address into it)
     for key, (st, lo, hi) in _regions(tensors).items():
@@ -236,12 +247,11 @@ def _clone(obj):
 
 def _rebuild(obj, fresh: dict):
     if isinstance(obj, torch.Tensor):
-        if not _cloneable(obj):
+        if not _in_region(obj, fresh):
             return obj.clone()
         buf, shift = fresh[(obj.device, obj.untyped_storage().data_ptr())]
-        t = torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
+        return torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
             buf.untyped_storage(), (obj.data_ptr() + shift) // obj.element_size(), obj.shape, obj.stride())
-        return t.requires_grad_(obj.requires_grad)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_rebuild(o, fresh) for o in obj)
     if isinstance(obj, dict):

@@ -386,7 +386,7 @@ def test_run_perftest_counts_memory_not_elements():
 
 
 def test_run_perftest_copies_other_layouts_with_clone():
-    """A sparse argument (no strides to copy as bytes) is still copied, by clone()."""
+    """A sparse argument (no strides to copy as bytes) and a conjugate view are still copied, by clone()."""
     seen = []
 
     def f(a, d):
@@ -396,6 +396,31 @@ def test_run_perftest_copies_other_layouts_with_clone():
     a = torch.eye(64).to_sparse()
     run_perftest(f, a, torch.randn(64), num_iters=3, num_warmup=1, rotate_bytes=1 << 16)
     assert len(seen) == 4 and all(torch.equal(t.to_dense(), torch.eye(64)) for t in seen)
+    assert len({id(t) for t in seen}) == 4 and seen[1] is not a
+    # a lazily conjugated view: its bytes are not its values, so clone() (which applies the bit) copies it
+    seen.clear()
+    z = torch.randn(256, dtype=torch.complex64).conj()
+    run_perftest(f, z, torch.randn(64), num_iters=3, num_warmup=1, rotate_bytes=1 << 16)
+    assert len({t.data_ptr() for t in seen}) > 1 and all(torch.equal(t, z) for t in seen)
+
+
+def test_run_perftest_copies_what_bytes_cannot_carry_with_clone():
+    """Arguments whose bytes a layout-keeping copy cannot carry take clone(), as before: one with autograd history
+    (a byte copy would be a leaf, and an in-place call on it an error), one at an address not aligned to its
+    elements, and one spread thin over its buffer (a column of a matrix: copied compactly, and counted by its
+    elements, so that the calls still cycle over enough copies)."""
+    f, seen = _recorder()
+    x = torch.randn(1000, requires_grad=True) * 2  # not a leaf
+    run_perftest(lambda t: seen.append(t) or t.add_(1), x, num_iters=3, num_warmup=1, rotate_bytes=1 << 16)
+    assert len({t.data_ptr() for t in seen}) > 1 and all(t.grad_fn is not None for t in seen)
+    seen.clear()
+    odd = torch.frombuffer(bytearray(range(64)), dtype=torch.float32, offset=1, count=8)
+    run_perftest(f, odd, num_iters=3, num_warmup=1, rotate_bytes=1 << 10)
+    assert len({t.data_ptr() for t in seen}) > 1 and all(torch.equal(t, odd) for t in seen)
+    seen.clear()
+    col = torch.randn(1024, 1024)[:, 0]  # 4 KB of elements over a 4 MB span
+    run_perftest(f, col, num_iters=6, num_warmup=2, rotate_bytes=4 * 4096)
+    assert len({t.data_ptr() for t in seen}) == 4 and all(torch.equal(t, col) for t in seen[1:])
 
 
 def test_run_perftest_rejects_no_iters():
