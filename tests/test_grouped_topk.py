@@ -84,7 +84,9 @@ def _check_near_rows(b, gs, ids, k, g, tg):
     noise allows. Every valid choice keeps the groups clearly above the first dropped one ("must") and
     only groups within noise of the last kept one ("may"); so each id lies in a "may" group, its score
     is within noise of the k-th best over the "must" groups or above it, and every expert of a "must"
-    group clearly above the k-th best over the "may" groups is chosen."""
+    group clearly above the k-th best over the "may" groups is chosen. The kept groups hold the ids'
+    groups, so these are at most tg, and no expert of them left out is clearly above a chosen one; the
+    ids come in decreasing score, ties within noise either way."""
     e = b.shape[1]
     ordered = gs.sort(dim=1, descending=True).values
     last_kept = ordered[:, tg - 1:tg]
@@ -103,6 +105,13 @@ def _check_near_rows(b, gs, ids, k, g, tg):
     clearly_in = per_expert(must) & (b > high + _noise(high))
     chosen = torch.zeros_like(clearly_in).scatter_(1, ids, True)
     assert (chosen | ~clearly_in).all(), "an expert clearly inside the top k was left out"
+    ids_groups = torch.zeros_like(may).scatter_(1, ids // (e // g), True)
+    assert (ids_groups.sum(dim=1) <= tg).all(), "ids from more groups than topk_group"
+    lowest = picked.min(dim=1, keepdim=True).values
+    passed_over = per_expert(ids_groups) & ~chosen & (b > lowest + _noise(lowest).nan_to_num(posinf=0.0))
+    assert not passed_over.any(), "an expert of a chosen group clearly above a chosen one was left out"
+    assert (picked[:, 1:] <= picked[:, :-1] + _noise(picked[:, :-1]).nan_to_num(posinf=0.0)).all(), \
+        "ids not in decreasing score"
 
 
 def _topks(e, g, tg):  # 12 and 16: several slots a lane on random data (not only on all-ties rows); and
