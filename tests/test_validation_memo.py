@@ -82,3 +82,53 @@ def test_the_cache_is_bounded(monkeypatch):
     for s in range(7):
         run(cache, check, t, scale=float(s))
     assert check.calls == 7 and 1 <= len(cache) <= 3
+
+
+def test_lazy_views_are_refused_and_never_taken_from_the_memo():
+    """A lazily negated view (as `.conj().imag` gives) or a zero tensor has the shape, strides and dtype of a good
+    argument, but its bytes are not its values (a zero tensor has none): the kernels read bytes. check_tensor
+    refuses it by name, and validated does not take it for the good argument it passed before."""
+    good = torch.randn(4, 6)
+    cache, calls = {}, []
+
+    def check(t):
+        calls.append(t)
+        _common.check_tensor("gating_logits", t, ndim=2, gpu=False)
+
+    validated(cache, check, (good,), (), good)
+    for lazy in (torch._neg_view(good), torch._efficientzerotensor((4, 6))):
+        assert lazy.shape == good.shape and lazy.stride() == good.stride() and lazy.dtype == good.dtype
+        with pytest.raises(ValueError, match="gating_logits must hold its values in memory"):
+            validated(cache, check, (lazy,), (), lazy)
+    assert len(calls) == 3
+    one = torch.randn(1, 1, dtype=torch.complex64).conj().imag  # public: a contiguous negated view
+    assert one.is_neg() and one.is_contiguous()
+    with pytest.raises(ValueError, match="x must hold its values"):
+        _common.check_tensor("x", one, gpu=False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested and CSR tensors are prototype / beta
+def test_non_strided_tensors_are_refused_by_name():
+    for t, kind in ((torch.nested.nested_tensor([torch.zeros(16)] * 2), "a nested tensor"),
+                    (torch.zeros(4, 8).to_sparse_csr(), "torch.sparse_csr tensor"),
+                    (torch.zeros(4, 8).to_sparse(), "torch.sparse_coo tensor")):
+        with pytest.raises(ValueError, match=f"logits must be a dense \\(strided\\) tensor, got {kind}"):
+            _common.check_tensor("logits", t, ndim=2, gpu=False)
+
+
+def test_addresses_not_aligned_to_elements_are_refused_at_launch():
+    """A view into a byte buffer at an odd offset passes every check of shapes and strides, but the kernels cannot
+    load or store its elements: the routing ops' launches refuse it by name before anything runs."""
+    from hipkern.ops import grouped_topk as GT, moe_sorting as MS, topk_softmax as TS
+
+    x = torch.frombuffer(bytearray(200), dtype=torch.float32, offset=1, count=32).view(4, 8)
+    ids = torch.frombuffer(bytearray(200), dtype=torch.int32, offset=2, count=8).view(4, 2)
+    assert x.data_ptr() % 4 and ids.data_ptr() % 4
+    w, i = torch.empty(4, 2), torch.empty(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="gating_logits must start at an address aligned to its 4-byte elements"):
+        TS._launch(x, 2, True, w, i)
+    with pytest.raises(ValueError, match="gating_logits must start at an address aligned"):
+        GT._launch(x, None, 2, 1, 1, "sigmoid", True, 1.0, "top2", w, i)
+    with pytest.raises(ValueError, match="topk_ids must start at an address aligned to its 4-byte elements"):
+        MS._run(ids, 8, 4, None, *MS._outputs(torch.zeros(4, 2, dtype=torch.int32), 8, 4))
+    _common.check_element_aligned(a=torch.randn(8)[1:], b=None)  # an element offset is fine

@@ -56,7 +56,8 @@ def validated(cache: dict, check, tensors: tuple, scalars: tuple, *args) -> None
     """check(*args), an op's argument validation, skipped for arguments that have passed it before: the key is each
     of `tensors`' shape, strides, dtype and device (None stays None) and each of `scalars` with its type (True == 1
     == 1.0 as keys), which must be all that check reads. Other tensor types (subclasses, nested, sparse: a sparse
-    tensor's strides read as a dense one's) or scalar types, and calls while compiling, are checked in full.
+    tensor's strides read as a dense one's; lazily negated or zero views) or scalar types, and calls while compiling,
+    are checked in full.
     Validation was ~11 us of an eager paged-attention call's host time (H200 host, csrc_hip/paged_attention/NOTES.md,
     2026-11-28 (13)); the key costs about a third of it."""
     key = None if torch.compiler.is_compiling() else _arguments_key(check, tensors, scalars)  # (traced: no memo)
@@ -73,7 +74,8 @@ def _arguments_key(check, tensors: tuple, scalars: tuple) -> tuple | None:
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is torch.Tensor and not t.is_nested and t.layout is torch.strided:
+        elif type(t) is torch.Tensor and not (t.is_nested or t.is_neg() or t._is_zerotensor()) and \
+                t.layout is torch.strided:  # (a conjugate bit needs a complex dtype: refused, and in the key)
             key.append((t.shape, t.stride(), t.dtype, t.device))
         else:
             return None
@@ -101,6 +103,12 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=No
     """Raise ValueError naming `name` unless `t` is a tensor as described (`shape`: exact sizes)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout is not torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got {'a nested' if t.is_nested else t.layout} "
+                         f"tensor")
+    if _lazy(t):  # the kernels read bytes: such a view's bytes are not its values (a zero tensor has none)
+        raise ValueError(f"{name} must hold its values in memory, not be a lazily negated, conjugated or zero view: "
+                         f"call .resolve_neg() / .resolve_conj() or .clone() first")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -112,6 +120,20 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=No
         raise ValueError(f"{name} must be on a GPU (a 'cuda' device in torch, also on ROCm), got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+
+
+def _lazy(t: torch.Tensor) -> bool:
+    """A view whose values are not its bytes: a lazy negation or conjugation bit, or a zero tensor."""
+    return t.is_neg() or t.is_conj() or t._is_zerotensor()
+
+
+def check_element_aligned(**tensors) -> None:
+    """Raise ValueError naming the first tensor whose address is not a multiple of its element size (a view into
+    a byte buffer at an odd offset), which the kernels' loads and stores cannot address. At launch only: fake
+    tensors (torch.compile) have no address."""
+    for name, t in tensors.items():
+        if t is not None and t.data_ptr() % t.element_size():
+            raise ValueError(f"{name} must start at an address aligned to its {t.element_size()}-byte elements")
 
 
 def is_float32(v) -> bool:
