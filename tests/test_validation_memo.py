@@ -132,3 +132,15 @@ def test_addresses_not_aligned_to_elements_are_refused_at_launch():
     with pytest.raises(ValueError, match="topk_ids must start at an address aligned to its 4-byte elements"):
         MS._run(ids, 8, 4, None, *MS._outputs(torch.zeros(4, 2, dtype=torch.int32), 8, 4))
     _common.check_element_aligned(a=torch.randn(8)[1:], b=None)  # an element offset is fine
+
+
+def test_check_tensor_traces_under_torch_compile_fullgraph():
+    """The ops validate inside their Python wrappers, which torch.compile traces: dynamo cannot ask a tensor for
+    its lazy bits (is_neg, _is_zerotensor), so check_tensor leaves that to the untraced fake and real
+    implementations of the registered ops; the rest traces without a graph break."""
+    def f(x):
+        _common.check_tensor("x", x, ndim=2, gpu=False)
+        return x * 2
+
+    x = torch.randn(4, 8)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), x * 2)

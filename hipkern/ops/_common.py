@@ -106,7 +106,9 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=No
     if t.is_nested or t.layout is not torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got {'a nested' if t.is_nested else t.layout} "
                          f"tensor")
-    if _lazy(t):  # the kernels read bytes: such a view's bytes are not its values (a zero tensor has none)
+    # The kernels read bytes: such a view's bytes are not its values (a zero tensor has none). Not while dynamo
+    # traces (it cannot ask these; the registered op's fake and real implementations check again, untraced).
+    if not torch.compiler.is_compiling() and _lazy(t):
         raise ValueError(f"{name} must hold its values in memory, not be a lazily negated, conjugated or zero view: "
                          f"call .resolve_neg() / .resolve_conj() or .clone() first")
     if ndim is not None and t.dim() != ndim:
