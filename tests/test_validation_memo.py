@@ -131,7 +131,7 @@ def test_addresses_not_aligned_to_elements_are_refused_at_launch():
         GT._launch(x, None, 2, 1, 1, "sigmoid", True, 1.0, "top2", w, i)
     with pytest.raises(ValueError, match="topk_ids must start at an address aligned to its 4-byte elements"):
         MS._run(ids, 8, 4, None, *MS._outputs(torch.zeros(4, 2, dtype=torch.int32), 8, 4))
-    _common.check_element_aligned(a=torch.randn(8)[1:], b=None)  # an element offset is fine
+    _common.check_aligned(a=torch.randn(8)[1:], b=None)  # an element offset is fine
 
 
 def test_check_tensor_traces_under_torch_compile_fullgraph():

@@ -129,13 +129,18 @@ def _lazy(t: torch.Tensor) -> bool:
     return t.is_neg() or t.is_conj() or t._is_zerotensor()
 
 
-def check_element_aligned(**tensors) -> None:
-    """Raise ValueError naming the first tensor whose address is not a multiple of its element size (a view into
-    a byte buffer at an odd offset), which the kernels' loads and stores cannot address. At launch only: fake
-    tensors (torch.compile) have no address."""
+def check_aligned(alignment: int | None = None, /, **tensors) -> None:
+    """Raise ValueError naming the first of `tensors` (None ones skipped) whose address is not a multiple of
+    `alignment` bytes (a kernel's vector loads), or with None of its element size (a view into a byte buffer at
+    an odd offset, which no load or store can address). At launch only: fake tensors (torch.compile) have no
+    address."""
     for name, t in tensors.items():
-        if t is not None and t.data_ptr() % t.element_size():
+        if t is None:
+            continue
+        if alignment is None and t.data_ptr() % t.element_size():
             raise ValueError(f"{name} must start at an address aligned to its {t.element_size()}-byte elements")
+        if alignment is not None and t.data_ptr() % alignment:
+            raise ValueError(f"{name} must start at a {alignment}-byte aligned address")
 
 
 def is_float32(v) -> bool:

@@ -10,9 +10,9 @@ import torch
 
 from .. import jit, tuning_db
 from . import moe_sorting as _sorting
-from ._common import (DTYPE_NAMES, as_bool, as_int, check_bool, check_device, check_int, check_no_overlap, check_tensor,
-                      choice_inputs, gpu_name, impl_checked, lib, memo, module_for, on_device, raw_stream, sm_count,
-                      validated)
+from ._common import (DTYPE_NAMES, as_bool, as_int, check_aligned, check_bool, check_device, check_int,
+                      check_no_overlap, check_tensor, choice_inputs, gpu_name, impl_checked, lib, memo, module_for,
+                      on_device, raw_stream, sm_count, validated)
 
 __all__ = ["fused_moe", "ACTIVATIONS", "BLOCK_MS", "DECODE_MAX_PAIRS", "GEMV_MAX_DOWN_UNITS", "GEMV_MAX_GATED_BLOCKS",
            "GEMV_MAX_PAIRS", "GEMV_VARIANTS", "ROUTE_MAX_PAIRS", "VARIANT", "VARIANTS", "block_ms_for", "choose_block_m",
@@ -277,12 +277,6 @@ def _routed_experts(w1, expert_map) -> int:
     return w1.shape[0] if expert_map is None else expert_map.shape[0]
 
 
-def _check_aligned(**tensors) -> None:  # not in _validate: fake tensors (torch.compile) have no address
-    for name, t in tensors.items():
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address (a view at an odd offset is not)")
-
-
 _counters: dict = {}
 
 
@@ -405,7 +399,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
 def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, block_m, variant, out) -> None:
     if hidden_states.shape[0] == 0:
         return
-    _check_aligned(hidden_states=hidden_states, w1=w1, w2=w2, out=out)
+    check_aligned(16, hidden_states=hidden_states, w1=w1, w2=w2, out=out)  # (16-byte vector loads)
     # Blocks write out while others still read the inputs: out may be hidden_states itself (every variant
     # has read all of it before the first output is written), nothing else.
     inputs = dict(w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (as_bool, as_int, check_bool, check_device, check_element_aligned, check_int,
-                      check_outputs_apart, check_tensor,
-                      impl_checked, lib, module_for, on_device, raw_stream)
+from ._common import (as_bool, as_int, check_aligned, check_bool, check_device, check_int, check_outputs_apart,
+                      check_tensor, impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -103,8 +102,8 @@ def _launch_here(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_
 
 
 def _run(topk_ids, num_experts, block_m, expert_map, sorted_ids, expert_ids, num_post) -> None:
-    check_element_aligned(topk_ids=topk_ids, expert_map=expert_map, **dict(zip(_OUT_NAMES, (sorted_ids, expert_ids,
-                                                                                          num_post))))
+    outs = dict(zip(_OUT_NAMES, (sorted_ids, expert_ids, num_post)))
+    check_aligned(topk_ids=topk_ids, expert_map=expert_map, **outs)
     on_device(topk_ids.get_device(), _launch_here, topk_ids, num_experts, block_m, expert_map, sorted_ids,
               expert_ids, num_post)
 

@@ -19,9 +19,9 @@ import math
 import torch
 
 from .. import jit, tuning_db
-from ._common import (DTYPE_NAMES, as_bool, as_float, check_bool, check_device, check_no_overlap, check_tensor,
-                      choice_inputs, gpu_name, impl_checked, is_float32, lib, memo, module_for, on_device, raw_stream,
-                      sm_count, validated)
+from ._common import (DTYPE_NAMES, as_bool, as_float, check_aligned, check_bool, check_device, check_no_overlap,
+                      check_tensor, choice_inputs, gpu_name, impl_checked, is_float32, lib, memo, module_for, on_device,
+                      raw_stream, sm_count, validated)
 
 __all__ = ["paged_attention_decode", "VARIANTS", "ALIASES", "HEAD_SIZES", "KV_LAYOUTS", "MAX_GQA", "MAX_BLOCK_SIZE"]
 
@@ -412,11 +412,9 @@ def _launch(query, key_cache, value_cache, block_tables, context_lens, scale, kv
 def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, variant, out, lse):
     num_seqs, num_q_heads, head_size = query.shape
     nb, bs, hkv, _, sb, st, sh = _cache_dims(kv_layout, key_cache)
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.data_ptr() % 16:  # here, not in _validate: data pointers do not exist while tracing
-            raise ValueError(f"{name} must start at a 16-byte aligned address")
-    if out.data_ptr() % (4 * out.element_size()):  # written 4 elements at a time
-        raise ValueError(f"out must start at a {4 * out.element_size()}-byte aligned address")
+    # here, not in _validate: data pointers do not exist while tracing; out is written 4 elements at a time
+    check_aligned(16, key_cache=key_cache, value_cache=value_cache)
+    check_aligned(4 * out.element_size(), out=out)
     # Blocks write their heads' output rows while others still read: out may be query itself, nothing else;
     # lse (when asked for) overlaps nothing.
     check_no_overlap("out", out, "query", query=query, key_cache=key_cache, value_cache=value_cache,

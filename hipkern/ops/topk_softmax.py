@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (DTYPE_NAMES, as_bool, as_int, check_bool, check_device, check_element_aligned, check_int,
-                      check_routing_apart,
-                      check_routing_out, check_tensor, impl_checked, lib, module_for, on_device, raw_stream)
+from ._common import (DTYPE_NAMES, as_bool, as_int, check_aligned, check_bool, check_device, check_int,
+                      check_routing_apart, check_routing_out, check_tensor, impl_checked, lib, module_for, on_device,
+                      raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -50,7 +50,7 @@ def _outputs(gating_logits, topk):
 
 
 def _launch(gating_logits, topk, renormalize, weights, ids) -> None:
-    check_element_aligned(gating_logits=gating_logits, weights=weights, ids=ids)
+    check_aligned(gating_logits=gating_logits, weights=weights, ids=ids)
     if gating_logits.shape[0]:
         on_device(gating_logits.get_device(), _launch_here, gating_logits, topk, renormalize, weights, ids)
 
