@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .ops._common import _byte_span, _lazy
+
 __all__ = ["checkAllclose", "rows_scaled", "run_perftest", "run_graphtest", "perftest", "BenchTable", "poison",
            "poison_next_alloc", "poison_free_memory", "l2_bytes"]
 
@@ -190,10 +192,10 @@ def _tensors(obj):
 
 def _cloneable(t: torch.Tensor) -> bool:
     """A plain strided tensor whose memory _clone can copy as bytes (else it takes t.clone()): its values are its
-    bytes (no lazy conjugate or negation bit, no quantisation), at an address aligned to its elements, and no
-    autograd history to keep (a copy would be a leaf)."""
+    bytes (no lazy conjugate or negation bit, not a zero tensor, not quantised), at an address aligned to its
+    elements, and no autograd history to keep (a copy would be a leaf)."""
     return ((type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)) and t.layout == torch.strided
-            and not (t.is_nested or t.is_quantized or t.is_conj() or t.is_neg() or t.requires_grad)
+            and not (t.is_nested or t.is_quantized or _lazy(t) or t.requires_grad)
             and t.device.type != "meta" and t.numel() > 0 and t.data_ptr() % t.element_size() == 0)
 
 
@@ -206,8 +208,7 @@ def _regions(tensors) -> dict:
     for t in tensors:
         if not _cloneable(t):
             continue
-        lo = t.data_ptr()
-        hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        lo, hi = _byte_span(t)
         st = t.untyped_storage()
         r = out.setdefault((t.device, st.data_ptr()), [st, lo, hi, 0])
         r[1], r[2], r[3] = min(r[1], lo), max(r[2], hi), r[3] + t.numel() * t.element_size()
