@@ -36,9 +36,12 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: float = 1e-2,
+def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float | None = None, atol: float | None = None,
                   tol_err_ratio: float = 0.0, msg: str = "", printLog: bool = True) -> float:
     """Compare `a` (tested) with `b` (reference): |a - b| <= atol + rtol * |b| elementwise.
+
+    rtol and atol default to 1e-2, but to 0 when both tensors are integer (ids, counts, offsets compare
+    exactly unless a tolerance is given: 1e-2 of an id of 1000 would have let 1010 pass).
 
     Returns the share of mismatched elements (0.0 when all match). It passes when that share is at
     most `tol_err_ratio`, except that any mismatch where either side is not finite (a NaN or an infinity
@@ -50,6 +53,9 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
     if a.shape != b.shape:
         raise ValueError(f"checkAllclose: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     a, b = a.detach(), b.detach()
+    integers = not (a.is_floating_point() or b.is_floating_point() or a.is_complex() or b.is_complex())
+    exact = 0.0 if integers else 1e-2
+    rtol, atol = (exact if rtol is None else rtol), (exact if atol is None else atol)
     if a.is_complex() or b.is_complex():
         a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
     x = a.to(torch.float64)
@@ -59,7 +65,6 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-2, atol: fl
         if printLog:
             print(f"{head} passed~]")
         return 0.0
-    integers = not (a.is_floating_point() or b.is_floating_point() or a.is_complex())
     if integers:  # a - b exactly (in int64), against the tolerance in float64
         ai, bi = a.to(torch.int64), b.to(torch.int64)
         d = ai - bi  # wraps where the true difference leaves int64 (a poisoned INT64_MIN against a positive value)

@@ -131,6 +131,17 @@ def test_integers_past_2_pow_53_compare_exactly(capsys):
     assert _check(capsys, low, low.clone(), atol=0, rtol=0)[0] == 0.0
 
 
+def test_integers_compare_exactly_by_default(capsys):
+    ids = torch.tensor([1000, 3, 7], dtype=torch.int32)
+    res, out = _check(capsys, torch.tensor([1010, 3, 7], dtype=torch.int32), ids)
+    assert res == pytest.approx(1 / 3) and "atol=0 rtol=0 failed!" in out  # 1e-2 of 1000 would have passed it
+    assert _check(capsys, torch.tensor([1010, 3, 7], dtype=torch.int32), ids, rtol=1e-2)[0] == 0.0  # asked for
+    assert _check(capsys, ids.clone(), ids)[0] == 0.0
+    # a float on either side keeps the float defaults (1e-2)
+    res, out = _check(capsys, torch.tensor([1005.0, 3.0, 7.0]), ids)
+    assert res == 0.0 and "atol=0.01 rtol=0.01 passed" in out
+
+
 def test_inputs_are_rotated_past_the_last_level_cache(monkeypatch):
     """On gfx942 (MI300: 4 MB of L2 an XCD, reported for one XCD of up to 8, a 256 MB Infinity Cache
     behind it) run_perftest's rotation target covers every XCD's L2 and the Infinity Cache; elsewhere it
