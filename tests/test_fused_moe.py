@@ -528,6 +528,29 @@ def test_torch_compile():
 
 
 @pytest.mark.gpu
+def test_validate_under_torch_compile():
+    """validate=True syncs: compiled code runs its check eagerly and still refuses a map value past w1's
+    experts; a full graph refuses validate=True with an error that says why."""
+    w1, w2 = make_weights(16, **SMALL, dtype=torch.bfloat16)
+    emap, w1l, w2l, _ = half_remote(16, w1, w2)
+    x, w, ids = make_tokens(9, SMALL["d"], torch.bfloat16, 9), routing_weights(9, 4, 9), uniform_ids(9, 4, 16, 9)
+
+    def moe(x, w, ids, emap):
+        return hipkern.fused_moe(x, w1l, w2l, w, ids, expert_map=emap, validate=True) * 2
+
+    torch._dynamo.reset()  # compiled code is cached by function: fullgraph=True below must trace afresh
+    assert checkAllclose(torch.compile(moe)(x, w, ids, emap) / 2, reference(x, w1l, w2l, w, ids, expert_map=emap),
+                         **TOL[torch.bfloat16]) == 0
+    past = emap.clone()
+    past[int(ids[0, 0])] = w1l.shape[0]
+    with pytest.raises(ValueError, match=r"expert_map values .*\(w1's first dim\)"):
+        torch.compile(moe)(x, w, ids, past)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="validate=True reads values on the host"):
+        torch.compile(moe, fullgraph=True)(x, w, ids, emap)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zero_tokens(dtype):
     w1, w2 = make_weights(8, **SMALL, dtype=dtype)

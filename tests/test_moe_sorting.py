@@ -209,6 +209,12 @@ def test_out_of_range_ids_stay_in_bounds_and_validate_rejects_them(t):
                             expert_map=torch.full((64,), -2, device="cuda", dtype=torch.int32))
     ok = _routing(t, 4, 64)
     _check(ok, 64, 16, hipkern.moe_sorting(ok, 64, 16, validate=True))
+    past = torch.arange(64, device="cuda", dtype=torch.int32)
+    past[7] = 64  # a local index is one of the E experts: 64 cannot be one
+    with pytest.raises(ValueError, match=r"expert_map values .* in \[0, 64\) \(num_experts\), found values in \[0, 64\]"):
+        hipkern.moe_sorting(ok, 64, 16, validate=True, expert_map=past)
+    past[7] = 63
+    _check(ok, 64, 16, hipkern.moe_sorting(ok, 64, 16, validate=True, expert_map=past), past)
 
 
 @pytest.mark.gpu
@@ -324,6 +330,26 @@ def test_torch_compile():
 
 
 @pytest.mark.gpu
+def test_validate_under_torch_compile():
+    """validate=True reads the ids on the host: compiled code runs that check eagerly (a graph break) and still
+    refuses a bad id; a full graph refuses validate=True with an error that says why and what to do."""
+    def sort(ids):
+        s, x, n = hipkern.moe_sorting(ids, 64, 16, validate=True)
+        return s + 0, x, n
+
+    torch._dynamo.reset()  # compiled code is cached by function: fullgraph=True below must trace afresh
+    ids = _routing(16, 4, 64)
+    _check(ids, 64, 16, torch.compile(sort)(ids))
+    bad = ids.clone()
+    bad[3, 1] = 64
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 64\)"):
+        torch.compile(sort)(bad)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="validate=True reads values on the host"):
+        torch.compile(sort, fullgraph=True)(ids)
+
+
+@pytest.mark.gpu
 def test_arguments_on_another_device_are_rejected():
     ids = _routing(4, 2, 8)
     with pytest.raises(ValueError, match="expert_map must be on cuda:0"):
@@ -368,6 +394,23 @@ def _ids(t=4, k=2, e=8):
 def test_bad_arguments_raise_value_error(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         hipkern.moe_sorting(*args, **kwargs)
+
+
+def test_value_checks_refuse_ids_and_map_values_out_of_range_and_full_graphs():
+    """validate=True's checks (CPU tensors here): ids in [0, E); map values in [-1, E), or [-1, num_local)."""
+    from hipkern.ops.moe_sorting import _check_values
+    ids = _ids()
+    _check_values(ids, 8, torch.tensor([-1, 0, 1, 2, 3, 4, 5, 7], dtype=torch.int32))
+    for v, bound in ((8, 8), (-2, 8)):
+        with pytest.raises(ValueError, match=rf"expert_map values must be -1 \(remote\) .* \[0, {bound}\)"):
+            _check_values(ids, 8, torch.tensor([v] + [0] * 7, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[0, 4\) \(w1's first dim\), found values in \[0, 4\]"):
+        _check_values(ids, 8, torch.tensor([4] + [0] * 7, dtype=torch.int32), 4, "w1's first dim")
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        _check_values(ids, 4, None)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="validate=True reads values on the host"):
+        torch.compile(lambda t: _check_values(t, 8, None) or t + 1, fullgraph=True)(ids)
 
 
 def test_max_padded_is_sized_from_shapes():

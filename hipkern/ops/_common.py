@@ -129,6 +129,15 @@ def _lazy(t: torch.Tensor) -> bool:
     return t.is_neg() or t.is_conj() or t._is_zerotensor()
 
 
+def host_check(fn):
+    """Mark a validate=True check, which reads tensor values on the host (a device sync). Dynamo cannot
+    trace such a read: compiled code runs the check eagerly (a graph break), and torch.compile(fullgraph=True)
+    refuses it, its error naming this reason (before, it failed on a data-dependent guard deep in dynamo)."""
+    return torch.compiler.disable(fn, reason="validate=True reads values on the host (a device sync), which a "
+                                  "full graph cannot hold: under torch.compile(fullgraph=True) pass validate=False "
+                                  "(and validate outside the compiled region)")
+
+
 def check_aligned(alignment: int | None = None, /, **tensors) -> None:
     """Raise ValueError naming the first of `tensors` (None ones skipped) whose address is not a multiple of
     `alignment` bytes (a kernel's vector loads), or with None of its element size (a view into a byte buffer at

@@ -264,12 +264,8 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
 
 
 def _check_values(topk_ids, num_experts, expert_map, num_local) -> None:
-    """validate=True: moe_sorting's checks (ids in [0, E), expert_map values >= -1), and expert_map's
-    local indices below E_local; syncs with the device."""
-    _sorting._check_values(topk_ids, num_experts, expert_map)
-    if expert_map is not None and expert_map.numel() and int(expert_map.max()) >= num_local:
-        raise ValueError(f"expert_map values must be -1 (remote) or a local expert index in [0, {num_local}) "
-                         f"(w1's first dim), found {int(expert_map.max())}")
+    """validate=True: moe_sorting's checks, expert_map's local indices below E_local; syncs with the device."""
+    _sorting._check_values(topk_ids, num_experts, expert_map, num_local, "w1's first dim")
 
 
 def _routed_experts(w1, expert_map) -> int:

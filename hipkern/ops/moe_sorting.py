@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._common import (as_bool, as_int, check_aligned, check_bool, check_device, check_int, check_outputs_apart,
-                      check_tensor, impl_checked, lib, module_for, on_device, raw_stream)
+                      check_tensor, host_check, impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -69,14 +69,21 @@ def _validate(topk_ids, num_experts, block_m, expert_map, out=None) -> None:
     check_device(topk_ids.device, **others)
 
 
-def _check_values(topk_ids, num_experts, expert_map) -> None:
-    """validate=True: the id range (and expert_map's values), at the cost of a device sync."""
+@host_check
+def _check_values(topk_ids, num_experts, expert_map, num_local=None, local_bound="num_experts") -> None:
+    """validate=True: ids in [0, E), and expert_map's values -1 or a local index in [0, num_local) (num_local
+    defaults to E: the local experts are some of the E), at the cost of a device sync."""
     if topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts), found values in [{lo}, {hi}]")
-    if expert_map is not None and int(expert_map.min()) < -1:
-        raise ValueError(f"expert_map values must be -1 (remote) or a local expert index, found {int(expert_map.min())}")
+    if expert_map is None or not expert_map.numel():
+        return
+    num_local = num_experts if num_local is None else num_local
+    lo, hi = int(expert_map.min()), int(expert_map.max())
+    if lo < -1 or hi >= num_local:
+        raise ValueError(f"expert_map values must be -1 (remote) or a local expert index in [0, {num_local}) "
+                         f"({local_bound}), found values in [{lo}, {hi}]")
 
 
 def _outputs(topk_ids, num_experts, block_m):
@@ -165,8 +172,8 @@ def moe_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, exper
         block_m: rows per block of the expert GEMM, 1 <= block_m <= 1024.
         expert_map: optional int32 [E] on the same device: for expert parallelism, the local index of
             each expert, -1 for experts on other GPUs, whose pairs are dropped (any other negative value
-            is dropped too, but rejected by `validate`).
-        validate: check that every id lies in [0, E) (and expert_map values >= -1), raising
+            is dropped too, but rejected by `validate`). expert_ids carries the values as they are.
+        validate: check that every id lies in [0, E) and expert_map's values in [-1, E), raising
             ValueError otherwise. This syncs with the device; without it such ids give undefined
             (but in-bounds) output: the kernels never read or write out of bounds for any id.
         out: optional (sorted_token_ids, expert_ids, num_tokens_post_padded), int32 tensors of the
