@@ -28,6 +28,9 @@ Lookup (``lookup(op, arch, cu_count, device_name=..., **shape)``), in this order
    larger), so that the choice never depends on the order of the files' rows;
 3. none: the op uses its heuristic default.
 
+A file that replaces rows of earlier files (a user's row shadowing a shipped one) says so once, with the
+count and one example (logger ``hipkern.tuning``, level INFO).
+
 Cases 2 and 3 are logged once per shape (logger ``hipkern.tuning``, level INFO), and with
 ``HIPKERN_LOG_UNTUNED=path`` appended to that CSV as rows of shape keys (and the GPU's name), ready for
 the tuner (an op whose columns differ from the file's header, e.g. the second op a process logs, appends
@@ -265,6 +268,12 @@ class _Table:
         # Later files win on the same key; a later row without a device (a file from before the column) stands
         # for every GPU, so it also replaces the earlier files' rows of its shape and CU count for any device.
         anyone = {k[:3] for k in mine if k[3] == ""}
+        replaced = [k for k in self.exact if k in mine or k[:3] in anyone]
+        if replaced:  # a user's row shadowing a shipped (or an earlier file's) row: say so, once a file
+            k = replaced[0]
+            log.info("hipkern: tuning file %s replaces %d %s row(s) of earlier files (the shipped ones first) on "
+                     "%s, e.g. %s: %s -> %s", path, len(replaced), self.schema.op, arch, _key_text(self.schema, k),
+                     _choice_text(self.exact[k]), _choice_text(mine.get(k) or mine[k[:3] + ("",)]))
         if anyone:
             self.exact = {k: r for k, r in self.exact.items() if k[:3] not in anyone}
         self.exact.update(mine)
@@ -287,6 +296,16 @@ class _Table:
             if best_rank is None or rank < best_rank:
                 best, best_rank = r, rank
         return (best, "nearest") if best is not None else (None, None)
+
+
+def _key_text(schema: Schema, key: tuple) -> str:
+    exact, buckets, cu, dev = key
+    return ", ".join([*(f"{n}={v}" for n, v in zip(schema.exact_keys + schema.bucket_keys, exact + buckets)),
+                      f"cu_count={cu}"] + ([f"device={dev}"] if dev else []))
+
+
+def _choice_text(row: dict) -> str:
+    return f"{row['variant']} ({float(row['us']):g} us, {row.get('date') or 'undated'})"
 
 
 def _date_rank(d: str) -> tuple:

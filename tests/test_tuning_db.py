@@ -207,6 +207,21 @@ def test_user_overlay_wins_row_by_row(shipped, tmp_path, monkeypatch):
     assert find(8, 2048).variant == "c"  # the later path wins over the shipped row
 
 
+def test_a_user_row_shadowing_a_shipped_one_is_logged_once_a_file(shipped, tmp_path, monkeypatch, caplog):
+    write(shipped, [row("a", 8, 2048), row("a", 16, 2048, device=H100), row("a", 32, 2048)])
+    adds = write(tmp_path / "adds.csv", [row("b", 64, 2048)])  # replaces nothing: no line
+    user = write(tmp_path / "mine.csv", [row("b", 16, 2048, device=H100, us=7.5, date="2026-11-29"),
+                                         row("c", 8, 2048), row("c", 128, 2048)])
+    monkeypatch.setenv("HIPKERN_TUNING_DB", f"{adds}:{user}")
+    tuning_db.reset()
+    with caplog.at_level(logging.INFO, logger="hipkern.tuning"):
+        assert find(16, 2048, device=H100).variant == "b" and find(8, 2048).variant == "c"
+        find(32, 2048)
+    lines = [r.getMessage() for r in caplog.records if "replaces" in r.getMessage()]
+    assert len(lines) == 1 and str(user) in lines[0] and "replaces 2 toyop row(s)" in lines[0], lines
+    assert "dtype=bfloat16, head_size=128, batch=8, context=2048, cu_count=132: a (10 us, 2026-11-20) -> c" in lines[0]
+
+
 @pytest.mark.parametrize("bad,msg", [
     (dict(variant="v_old"), "variant 'v_old' is not one of"),
     (dict(batch=6), "batch='6' is not a power of two"),
