@@ -413,6 +413,16 @@ def test_value_checks_refuse_ids_and_map_values_out_of_range_and_full_graphs():
         torch.compile(lambda t: _check_values(t, 8, None) or t + 1, fullgraph=True)(ids)
 
 
+def test_importing_hipkern_does_not_load_dynamo():
+    """host_check (validate=True's checks) breaks the graph itself instead of applying torch.compiler.disable, which
+    loads dynamo when applied: ~2 s more to import hipkern."""
+    import subprocess
+    import sys
+    probe = "import sys, hipkern; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_max_padded_is_sized_from_shapes():
     assert moe_sorting_max_padded(6, 4, 2) == 10
     assert moe_sorting_max_padded(8, 256, 64) == 16192
