@@ -66,9 +66,11 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float | None = None, a
             print(f"{head} passed~]")
         return 0.0
     if integers:  # a - b exactly (in int64), against the tolerance in float64
-        ai, bi = a.to(torch.int64), b.to(torch.int64)
+        ai, bi, far = _as_int64(a, b)
         d = ai - bi  # wraps where the true difference leaves int64 (a poisoned INT64_MIN against a positive value)
         diff = torch.where((ai < bi) != (d < 0), math.inf, d.to(torch.float64).abs())
+        if far is not None:
+            diff = torch.where(far, math.inf, diff)
         close = diff <= atol + rtol * y.abs()
     else:
         close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
@@ -88,6 +90,23 @@ def checkAllclose(a: torch.Tensor, b: torch.Tensor, rtol: float | None = None, a
         print(f"{head} {word}]\n    -->max abs delta:{float(delta.max()):.6g}, delta details: "
               f"{share:.2%} ({n_bad} of {x.numel()}) elements{extra}")
     return 1.0 if bad_nonfinite else share
+
+
+def _as_int64(a: torch.Tensor, b: torch.Tensor):
+    """Integer a and b as int64 whose difference is the true one (where it fits), and a mask of the elements that
+    can match nothing on the other side (or None). uint64 values past int64 would wrap (a poisoned 2^64 - 1 read as
+    -1): two uint64 sides both move down by 2^63 (the sign bit flipped: differences and order kept); against a
+    signed side, a uint64 value past int64 is marked."""
+    if a.dtype == b.dtype == torch.uint64:
+        return a.view(torch.int64) ^ -2**63, b.view(torch.int64) ^ -2**63, None
+    far = None
+    if a.dtype == torch.uint64:
+        a = a.view(torch.int64)
+        far = a < 0
+    if b.dtype == torch.uint64:
+        b = b.view(torch.int64)
+        far = b < 0 if far is None else far | (b < 0)
+    return a.to(torch.int64), b.to(torch.int64), far
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
@@ -160,6 +179,8 @@ def rows_scaled(got: torch.Tensor, ref: torch.Tensor, cap: float = 1.0):
     becomes huge."""
     # (a NaN or infinity in the reference does not set its row's scale: a NaN scale would make the whole row NaN on
     # both sides, which compares equal, and hide every error in it)
+    if ref.numel() == 0:  # (no row to scale; amax cannot reduce an empty last dimension)
+        return got.detach().float(), ref.detach().float()
     s = ref.detach().float().abs().nan_to_num(nan=0.0, posinf=cap).amax(dim=-1, keepdim=True)
     s = s.clamp(min=2.0**-24, max=cap)
     return got.detach().float() / s, ref.detach().float() / s
@@ -204,11 +225,22 @@ def _cloneable(t: torch.Tensor) -> bool:
             and t.device.type != "meta" and t.numel() > 0 and t.data_ptr() % t.element_size() == 0)
 
 
+def _distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of t's distinct elements: an expanded tensor's (stride-0 dimensions) once; a sparse COO tensor's values
+    and indices."""
+    if t.layout == torch.sparse_coo:
+        return t._values().numel() * t._values().element_size() + t._indices().numel() * t._indices().element_size()
+    if t.layout != torch.strided or t.is_nested:
+        return t.numel() * t.element_size()
+    return math.prod(n for n, st in zip(t.shape, t.stride()) if st != 0) * t.element_size()
+
+
 def _regions(tensors) -> dict:
-    """The memory the tensors reach, per storage: {(device, storage address): [storage, first, end)} in byte
-    addresses. An expanded tensor reaches its base only, views of one storage count once. A storage whose
-    tensors are sparse in it (a column of a matrix, two views far apart: their span more than 4x their elements'
-    bytes and 64 KB) is left out: its tensors are copied compactly by clone(), as _input_bytes counts them."""
+    """The memory the tensors reach, per storage: {(device, storage address): [storage, first, end, distinct
+    bytes]} in byte addresses (the largest storage met at that address: a DLPack view of a buffer's prefix has
+    one of its own). An expanded tensor reaches its base only, views of one storage count once. A storage whose
+    tensors are sparse in it (a column of a matrix, two views far apart: their span more than 4x their distinct
+    elements' bytes and 64 KB) is left out: its tensors are copied compactly (_compact_clone)."""
     out: dict = {}
     for t in tensors:
         if not _cloneable(t):
@@ -216,20 +248,32 @@ def _regions(tensors) -> dict:
         lo, hi = _byte_span(t)
         st = t.untyped_storage()
         r = out.setdefault((t.device, st.data_ptr()), [st, lo, hi, 0])
-        r[1], r[2], r[3] = min(r[1], lo), max(r[2], hi), r[3] + t.numel() * t.element_size()
-    return {k: r[:3] for k, r in out.items() if r[2] - r[1] <= max(4 * r[3], 64 << 10)}
+        if st.nbytes() > r[0].nbytes():
+            r[0] = st
+        r[1], r[2], r[3] = min(r[1], lo), max(r[2], hi), r[3] + _distinct_bytes(t)
+    return {k: r for k, r in out.items() if r[2] - r[1] <= max(4 * r[3], 64 << 10)}
 
 
 def _input_bytes(tensors) -> int:
-    """Bytes of memory the tensors occupy: their regions, plus what the others (sparse, nested, spread out) hold."""
+    """Bytes a call reads at most, for the rotation's count of copies: per region its span, but no more than its
+    tensors' distinct elements (a slice of every row of a matrix reads those rows' slices, not the rows between:
+    counting the span would leave too few copies to cycle past the cache); the others' distinct elements."""
     tensors = list(tensors)
     regions = _regions(tensors)
-    return (sum(hi - lo for _, lo, hi in regions.values())
-            + sum(t.numel() * t.element_size() for t in tensors if not _in_region(t, regions)))
+    return (sum(min(hi - lo, n) for _, lo, hi, n in regions.values())
+            + sum(_distinct_bytes(t) for t in tensors if not _in_region(t, regions)))
 
 
 def _in_region(t: torch.Tensor, regions: dict) -> bool:
     return _cloneable(t) and (t.device, t.untyped_storage().data_ptr()) in regions
+
+
+def _compact_clone(t: torch.Tensor) -> torch.Tensor:
+    """t.clone(), but an expanded tensor stays expanded: its distinct elements are copied, then expanded again
+    (clone() would write out every element: 64 MB for a row broadcast over 4096 rows of 16 KB)."""
+    if t.layout != torch.strided or t.is_nested or 0 not in t.stride():
+        return t.clone()
+    return t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())].clone().expand(t.shape)
 
 
 _ALIGN = 256  # a copy's address keeps the original's remainder modulo this (16-byte checks, vector loads)
@@ -239,29 +283,32 @@ def _clone(obj):
     """`obj` with its tensors copied into fresh memory laid out as theirs: the same shapes and strides (a strided
     or expanded input stays so), the same address modulo 256 bytes, and tensors that shared memory share the
     copy (views of one buffer, an output that is an input). Other tensors (see _cloneable and _regions) take
-    t.clone()."""
+    _compact_clone(), one copy per tensor object (one passed twice, as input and output, stays one)."""
     tensors = list(_tensors(obj))
     fresh = {}  # storage key -> (copy of the region, byte shift from an original address into it)
-    for key, (st, lo, hi) in _regions(tensors).items():
+    for key, (st, lo, hi, _) in _regions(tensors).items():
         src = torch.empty(0, dtype=torch.uint8, device=key[0]).set_(st, lo - st.data_ptr(), (hi - lo,), (1,))
         buf = torch.empty(_ALIGN + hi - lo, dtype=torch.uint8, device=key[0])
         pad = (lo - buf.data_ptr()) % _ALIGN  # buf.data_ptr() + pad = lo (mod _ALIGN)
         buf[pad:pad + hi - lo].copy_(src)
         fresh[key] = (buf, pad - lo)
-    return _rebuild(obj, fresh)
+    return _rebuild(obj, fresh, {})
 
 
-def _rebuild(obj, fresh: dict):
+def _rebuild(obj, fresh: dict, cloned: dict):
     if isinstance(obj, torch.Tensor):
         if not _in_region(obj, fresh):
-            return obj.clone()
+            if id(obj) not in cloned:
+                cloned[id(obj)] = (obj, _compact_clone(obj))  # (obj kept: its id stays its own meanwhile)
+            return cloned[id(obj)][1]
         buf, shift = fresh[(obj.device, obj.untyped_storage().data_ptr())]
         return torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
             buf.untyped_storage(), (obj.data_ptr() + shift) // obj.element_size(), obj.shape, obj.stride())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(o, fresh) for o in obj)
+        vals = [_rebuild(o, fresh, cloned) for o in obj]
+        return type(obj)(*vals) if hasattr(obj, "_fields") else type(obj)(vals)  # (a namedtuple takes fields)
     if isinstance(obj, dict):
-        return {k: _rebuild(v, fresh) for k, v in obj.items()}
+        return {k: _rebuild(v, fresh, cloned) for k, v in obj.items()}
     return obj
 
 

@@ -393,7 +393,72 @@ def test_run_perftest_counts_memory_not_elements():
     from hipkern.testing import _input_bytes
     kv = torch.randn(2, 1024)
     assert _input_bytes([kv[0], kv[1], kv]) == 2 * 1024 * 4
-    assert _input_bytes([torch.randn(8, 8)[:, :2]]) == (7 * 8 + 2) * 4  # first to last element reached
+    # a slice of every row reads those slices, not the rows between: counted by its elements (more copies), not
+    # its span (too few copies to cycle past the cache)
+    assert _input_bytes([torch.randn(8, 8)[:, :2]]) == 16 * 4
+    assert _input_bytes([torch.randn(1024, 1024)[:, :256]]) == 1 << 20
+    sparse = torch.eye(4096).to_sparse()  # 4096 values and 2 x 4096 indices, not 4096^2 elements
+    assert _input_bytes([sparse]) == 4096 * 4 + 2 * 4096 * 8
+
+
+def test_copies_keep_an_expanded_tensor_expanded_and_compact():
+    """A row broadcast from a column of a large matrix (16 KB of elements over a 64 MB span, left out of the byte
+    copies): each copy holds its distinct elements once and stays expanded, where clone() wrote out 64 MB."""
+    from hipkern.testing import _clone, _input_bytes
+    y = torch.randn(4096, 4096)[:, :1].expand(4096, 4096)
+    assert _input_bytes([y]) == 4096 * 4
+    c = _clone(y)
+    assert torch.equal(c, y) and c.stride()[1] == 0 and c.untyped_storage().nbytes() == 4096 * 4
+
+
+def test_copies_keep_an_argument_passed_twice_one_tensor():
+    """An output that is an input stays one tensor in every copy, also where the copy is a clone (a column spread
+    thin over its buffer; autograd history)."""
+    for x in (torch.randn(1024, 1024)[:, 0], torch.randn(1000, requires_grad=True) * 1):
+        seen = []
+        run_perftest(lambda a, out: seen.append((a, out)), x, out=x, num_iters=4, num_warmup=1,
+                     rotate_bytes=1 << 20)
+        assert len({a.data_ptr() for a, _ in seen}) > 1 and all(a is out for a, out in seen)
+
+
+def test_copies_keep_namedtuples_and_prefix_views():
+    """A namedtuple argument is rebuilt field by field; a DLPack view of a buffer's prefix (a storage of its own
+    at the buffer's address) and the buffer share their copy."""
+    import collections
+    from hipkern.testing import _clone
+    P = collections.namedtuple("P", "a b")
+    p = P(torch.randn(4), torch.randn(4))
+    out, _ = run_perftest(lambda q: q.a + q.b, p, num_iters=2, num_warmup=1, rotate_bytes=1 << 10)
+    assert torch.equal(out, p.a + p.b)
+    c = _clone(p)
+    assert type(c) is P and torch.equal(c.a, p.a) and c.a.data_ptr() != p.a.data_ptr()
+    t = torch.randn(100)
+    u = torch.from_dlpack(t[:4])
+    cu, ct = _clone((u, t))
+    assert torch.equal(ct, t) and torch.equal(cu, u) and cu.data_ptr() == ct.data_ptr() != t.data_ptr()
+
+
+def test_unsigned_64_bit_integers_compare_exactly(capsys):
+    """uint64 past int64's range: a poisoned output (2^64 - 1) must not read as -1 (which passed against 0 with
+    atol 1), and two large uint64 values compare by their true difference."""
+    zero = torch.zeros(3, dtype=torch.uint64)
+    res, out = _check(capsys, poison(torch.zeros(3, dtype=torch.uint64)), zero, atol=1, rtol=0)
+    assert res == 1.0 and "failed!" in out
+    big = torch.tensor([2**64 - 1, 2**63 + 5, 7], dtype=torch.uint64)
+    assert _check(capsys, big.clone(), big)[0] == 0.0
+    near = torch.tensor([2**64 - 2, 2**63 + 5, 7], dtype=torch.uint64)
+    res, out = _check(capsys, near, big)
+    assert res == pytest.approx(1 / 3) and "max abs delta:1," in out
+    assert _check(capsys, near, big, atol=1)[0] == 0.0
+    # against a signed side: a uint64 value past int64 matches nothing; the others compare as numbers
+    res, _ = _check(capsys, big, torch.tensor([-1, -9223372036854775803, 7]))
+    assert res == pytest.approx(2 / 3)
+    assert _check(capsys, torch.tensor([5, 0], dtype=torch.uint64), torch.tensor([5, 0]))[0] == 0.0
+
+
+def test_rows_scaled_takes_empty_rows():
+    got, ref = rows_scaled(torch.empty(3, 0), torch.empty(3, 0))
+    assert got.shape == ref.shape == (3, 0) and checkAllclose(got, ref, printLog=False) == 0.0
 
 
 def test_run_perftest_copies_other_layouts_with_clone():
