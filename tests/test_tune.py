@@ -531,3 +531,66 @@ def test_tuning_refuses_modules_built_for_another_arch_than_the_gpu_s(monkeypatc
                                     "memory": 80 << 30}
     monkeypatch.delenv("HIPKERN_ARCH")
     assert core.gpu_info(0)["arch"] == "sm_90"
+
+
+# ---------------------------------------------------------------- from an audit (2026-11-29)
+def test_a_candidate_that_breaks_the_gpu_is_settled_for_skip_done(fresh, monkeypatch):
+    """A candidate after which the GPU is unusable ends a one-process run; its row says so, and --skip-done counts
+    it settled, so the next run goes on past it instead of ending there again."""
+    monkeypatch.setattr(core, "_device_usable", lambda: False)  # e raises: as if it left a sticky fault
+    todo = shapes(("ok", 1), ("ok", 2))
+    first = runner.tune(FAKE, todo, fresh, skip_done=True, progress=False)
+    assert len(first.crashes) == 1 and not first.done
+    cand = {(r["batch"], r["variant"]): r for r in rows_of(core.candidates_path(fresh))}
+    assert cand[("1", "e")]["note"].startswith(core.GPU_FAULT + ": RuntimeError: launch failed")
+    second = runner.tune(FAKE, todo, fresh, skip_done=True, progress=False)  # shape 1 settled; shape 2 reaches e
+    assert set(by_key(fresh)) == {("ok", 1)} and by_key(fresh)[("ok", 1)]["variant"] == "b"
+    assert len(second.crashes) == 1
+    third = runner.tune(FAKE, todo, fresh, skip_done=True, progress=False)
+    assert by_key(fresh)[("ok", 2)]["variant"] == "b" and not third.crashes
+
+
+class _Renamed(FakeTuner):
+    """The fake op after a change: b[tile=2] now launches what plain b launches (pruned as the same launch)."""
+
+    def candidates(self, s, info):
+        kept, same = dedupe([(Candidate("a"), "a"), (Candidate("b"), "b2"), (Candidate.of("b", tile=1), "b1"),
+                             (Candidate.of("b", tile=2), "b2")])
+        return Pruned([c for c, _ in kept], same)
+
+
+def test_a_candidate_pruned_as_the_same_launch_does_not_compete_with_its_old_time(fresh, monkeypatch):
+    """A full re-tune chooses among current times: b[tile=2]'s old 6 us row (its launch is b's now, timed 12 us
+    under that name) does not win against the launches timed this run."""
+    todo = shapes(("ok", 1))
+    runner.tune(FAKE, todo, fresh, progress=False)
+    assert (by_key(fresh)[("ok", 1)]["variant"], by_key(fresh)[("ok", 1)]["tile"]) == ("b", "2")
+    monkeypatch.setitem(COST, "b", 16.0)  # every b slower: tile 2 (now the same as b) would take 12 us
+    runner.tune(_Renamed(), todo, fresh, progress=False)
+    row = by_key(fresh)[("ok", 1)]
+    assert (row["variant"], row["tile"], float(row["us"])) == ("a", "", 10.0)  # not b[tile=2] at its old 6.000
+
+
+def test_rows_of_untouched_shapes_this_checkout_cannot_use_are_kept(fresh, capsys):
+    """A committed row of another shape with a variant this checkout lacks (a newer one's) survives a run that
+    tunes other shapes, with one line saying so."""
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    rows = rows_of(fresh)
+    newer = {**rows[0], "variant": "f", "batch": "2"}
+    with open(fresh, "a", newline="") as fh:
+        csv.DictWriter(fh, fieldnames=list(rows[0])).writerow(newer)
+    capsys.readouterr()
+    runner.tune(FAKE, shapes(("ok", 4)), fresh, progress=False)
+    assert {(r["variant"], r["batch"]) for r in rows_of(fresh)} == {("b", "1"), ("f", "2"), ("b", "4")}
+    assert "keeps 1 rows of other shapes that this checkout's faketune cannot use" in capsys.readouterr().out
+
+
+def test_files_with_a_byte_order_mark_are_read(fresh, tmp_path):
+    """As tuning_db reads them (spreadsheets save one): the database, and a shapes list."""
+    runner.tune(FAKE, shapes(("ok", 1)), fresh, progress=False)
+    fresh.write_bytes(b"\xef\xbb\xbf" + fresh.read_bytes())
+    listed = tmp_path / "shapes.csv"
+    listed.write_bytes(b"\xef\xbb\xbfkind,width,batch\nok,8,2\n")
+    todo = core.read_shapes(FAKE, str(listed))
+    runner.tune(FAKE, todo, fresh, progress=False)
+    assert set(by_key(fresh)) == {("ok", 1), ("ok", 2)}

@@ -253,7 +253,7 @@ def read_csv_lines(path) -> list:
     """[(line, row)] of a CSV file, line as in the file (blank lines count); [] when it does not exist."""
     if not Path(path).is_file():
         return []
-    with open(path, newline="") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:  # (-sig: a byte-order mark, as tuning_db reads it)
         reader = csv.DictReader(fh)
         return [(reader.line_num, r) for r in reader]
 
@@ -310,11 +310,16 @@ class WrongResult(ValueError):
     as rejected, and --skip-done does not measure it again (as a checkAllclose mismatch)."""
 
 
+# The note of a candidate after which the GPU was unusable (a sticky fault: the process had to end).
+GPU_FAULT = "the GPU was unusable after it"
+
+
 def settled(schema, r) -> bool:
-    """Whether --skip-done leaves a measured candidate alone: a usable row, or one rejected for a wrong result
-    (that repeats); a candidate rejected for an error (a toolchain, memory, a crashed worker) is measured again."""
+    """Whether --skip-done leaves a measured candidate alone: a usable row, one rejected for a wrong result (that
+    repeats), or one that left the GPU unusable (measured again, it would end every run here before the candidates
+    after it); a candidate rejected for another error (a toolchain, memory, a crashed worker) is measured again."""
     note = str(r.get("note") or "")
-    return usable(schema, r) or (note.startswith(("checkAllclose mismatch", f"{WrongResult.__name__}: "))
+    return usable(schema, r) or (note.startswith(("checkAllclose mismatch", f"{WrongResult.__name__}: ", GPU_FAULT))
                                  or "output elements non-finite" in note)
 
 
@@ -390,25 +395,35 @@ def second_trade(base, alt, second) -> bool:
     return gain > DEFAULT_MARGIN and gain > SECOND_EXCHANGE * loss
 
 
-def save(schema, out, new_rows, complete_keys, default_of=None) -> int:
+def save(schema, out, new_rows, complete_keys, default_of=None, retired=None) -> int:
     """Merge `new_rows` into the candidates file (latest row per key and candidate) and the rows of
     `complete_keys` into the database file; returns the database's row count. A database row whose
     candidate `new_rows` measured again is replaced by that measurement (the code it timed may have
     changed since), so a re-tune chooses among current times; rows of candidates not measured again
-    (another machine's, added by hand) still compete with them, under the same rule. With default_of
-    (a row -> the name of its shape's heuristic default candidate), a key's default wins within
-    DEFAULT_MARGIN."""
+    (another machine's, added by hand) still compete with them, under the same rule, except those of
+    `retired` ({key: names}: the candidates this run pruned for that shape, as the same launch as another or
+    dominated: an old time of theirs would compete with the launch's new one). With default_of (a row -> the
+    name of its shape's heuristic default candidate), a key's default wins within DEFAULT_MARGIN. Rows of other
+    shapes are kept as they are, also those this checkout cannot use (another version's variant or
+    parameters: a warning counts them)."""
     with files_lock(out):
-        return _save(schema, out, new_rows, complete_keys, default_of)
+        return _save(schema, out, new_rows, complete_keys, default_of, retired or {})
 
 
-def _save(schema, out, new_rows, complete_keys, default_of) -> int:
+_SAID_FOREIGN: set = set()
+
+
+def _save(schema, out, new_rows, complete_keys, default_of, retired) -> int:
     cpath = candidates_path(out)
     latest = {}
     for r in _load(schema, cpath) + list(new_rows):
         latest[(row_key(schema, r), candidate_of(schema, r).name)] = r
     rows = [latest[k] for k in sorted(latest)]
     write_csv(cpath, rows, schema.columns + STATUS_COLUMNS)
+
+    def competes(r) -> bool:
+        return candidate_of(schema, r).name not in retired.get(row_key(schema, r), ())
+
     # Only shapes measured to the end replace their rows: an interrupted re-tune (Ctrl-C, a worker lost,
     # a checkpoint while other workers still measure) keeps the shape's old row until a new one is chosen.
     again = {(row_key(schema, r), candidate_of(schema, r).name) for r in new_rows
@@ -416,13 +431,13 @@ def _save(schema, out, new_rows, complete_keys, default_of) -> int:
     kept = [r for r in _load(schema, out) if (row_key(schema, r), candidate_of(schema, r).name) not in again]
     per_key = {}
     for r in rows:
-        if row_key(schema, r) in complete_keys:
+        if row_key(schema, r) in complete_keys and competes(r):
             per_key.setdefault(row_key(schema, r), []).append(r)
     # A complete key's surviving database row joins its candidates before the default's margin is
     # applied (it could otherwise beat the default by less than the margin after it).
     for r in kept:
         k = row_key(schema, r)
-        if k in per_key and (k, candidate_of(schema, r).name) not in latest:
+        if k in per_key and (k, candidate_of(schema, r).name) not in latest and competes(r):
             per_key[k].append(r)
     # A complete key none of whose rows may be chosen (every candidate rejected this time: a toolchain, the
     # GPU's memory) keeps the rows the database had for it (the runner reports the shape as failed).
@@ -431,6 +446,16 @@ def _save(schema, out, new_rows, complete_keys, default_of) -> int:
     kept += [r for r in _load(schema, out) if row_key(schema, r) in dead]
     chosen = [r for k in sorted(per_key) if k not in dead for r in prefer_default(schema, per_key[k], default_of)]
     db = merge_best(schema, kept + chosen)
+    # Rows of untouched shapes that this checkout cannot use stay (a newer checkout's variant): dropping them
+    # would lose committed rows of shapes this run never tuned.
+    have = {row_key(schema, r) for r in db}
+    foreign = [r for r in kept if not usable(schema, r) and row_key(schema, r) not in have]
+    if foreign and (str(out), len(foreign)) not in _SAID_FOREIGN:  # (once, not at every checkpoint)
+        _SAID_FOREIGN.add((str(out), len(foreign)))
+        print(f"hipkern.tune: {out} keeps {len(foreign)} rows of other shapes that this checkout's {schema.op} "
+              f"cannot use (a variant or parameters it does not know: another version's?); the op skips them",
+              flush=True)
+        db = sorted(db + foreign, key=lambda r: row_key(schema, r))
     write_csv(out, db, schema.columns)
     return len(db)
 
@@ -480,7 +505,8 @@ def measure(bench, cand, measures=()) -> tuple:
     except KeyboardInterrupt:
         raise
     except Exception as e:  # the candidate fails: recorded as rejected, never chosen
-        return "rejected", None, None, f"{type(e).__name__}: {e}", not _device_usable(), {}
+        fatal = not _device_usable()
+        return "rejected", None, None, f"{GPU_FAULT + ': ' if fatal else ''}{type(e).__name__}: {e}", fatal, {}
 
 
 def _device_usable() -> bool:
@@ -519,6 +545,7 @@ def run_jobs(adapter, jobs, info, device, run_stamp, emit, deadline=None) -> Non
             emit({"ev": "row", "i": i, "row": make_row(schema, info, shape, cand, status, us, bench.nbytes, err,
                                                        note, run_stamp, extra)})
             if fatal:
-                raise DeviceLost(f"the GPU is unusable after {cand.name} on {adapter.describe(shape)}: {note}")
+                raise DeviceLost(f"the GPU is unusable after {cand.name} on {adapter.describe(shape)}: "
+                                 f"{note.removeprefix(GPU_FAULT + ': ')}")
         del bench
         emit({"ev": "done", "i": i, "s": _now() - t0})

@@ -43,6 +43,7 @@ class Summary:
     left: int = 0  # shapes neither tuned nor failed when the run ended
     db_rows: int = 0
     complete: set = dataclasses.field(default_factory=set)  # keys of shapes measured before (--skip-done)
+    retired: dict = dataclasses.field(default_factory=dict)  # key -> candidates pruned (same launch, dominated)
 
 
 class Progress:
@@ -134,7 +135,7 @@ class Run:
         # another tuner saved meanwhile.
         n = len(self.rows)
         self.summary.db_rows = core.save(self.schema, self.out, self.rows[self.saved:n], self.complete_keys(),
-                                         default_of(self.adapter))
+                                         default_of(self.adapter), self.summary.retired)
         self.saved, self.saved_at = n, core._now()
 
     def checkpoint(self) -> None:
@@ -215,6 +216,8 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
         pr = adapter.candidates(shape, info)
         cands = [c for c in pr.kept if c.name not in done.get(shape_key(schema, shape), ())]
         same, dominated = same + len(pr.same), dominated + len(pr.dominated)
+        if pr.same or pr.dominated:
+            summary.retired[kind + shape_key(schema, shape)] = set(pr.same) | set(pr.dominated)
         if not cands:
             summary.skipped += 1
             summary.complete.add(kind + shape_key(schema, shape))
@@ -260,7 +263,7 @@ def tune(adapter, shapes, out, *, spec=None, gpus=None, device=0, skip_done=Fals
     if dry_run:
         return summary
     if not jobs:  # every shape measured before: make sure each has its database row
-        summary.db_rows = core.save(adapter.schema, out, [], summary.complete, default_of(adapter))
+        summary.db_rows = core.save(adapter.schema, out, [], summary.complete, default_of(adapter), summary.retired)
         return summary
     run_stamp = core.stamp()
     run = Run(adapter, Path(out), jobs, info, run_stamp, summary, progress)
