@@ -118,6 +118,9 @@ def reset_fake(monkeypatch, tmp_path, tuning_results) -> Path:
     STATE.update(clock=0.0, interrupts=0)
     monkeypatch.setenv("FAKE_TUNE_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(TESTS))  # workers import this module as test_tune
+    # the fake op's workers run on no GPU: "--gpus 0,1" on a machine with one GPU made worker 1 fail set_device
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
     return tuning_results / "faketune.csv"
 
 
