@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         for spec, fut in futures:
             try:
                 res = fut.result()
-                jit.builder.Module(spec, arch, res.path)  # it must load (dlopen + ABI check)
+                jit.builder.load_built(spec, arch, res)  # it must load (dlopen + ABI check)
             except Exception as e:  # report every module, then fail
                 failures += 1
                 print(f"FAILED {spec.name} [{arch}]: {e}")

@@ -347,3 +347,77 @@ def test_an_os_error_outside_the_cache_is_not_blamed_on_it(jit_dir, tiny_root, t
     monkeypatch.setattr(builder, "_compile", vanished)
     with pytest.raises(FileNotFoundError):
         jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+# ---------------------------------------------------------------- from an audit (2026-11-29)
+def test_a_full_disk_is_a_jit_error_naming_the_cache(jit_dir, tiny_root, tmp_path, monkeypatch):
+    """Writes, fsync and the lock's pid raise ENOSPC without a file name: it was a bare OSError."""
+    import errno
+    toolchain_or_skip("sm_90", tmp_path)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(builder, "_compile", full)
+    with pytest.raises(JitError, match=r"the JIT cache .*/sm_90 cannot be written \(\[Errno 28\] No space left"):
+        jit.build(tiny_spec(tiny_root), "sm_90")
+
+
+def test_the_cache_root_is_returned_resolved(tmp_path, monkeypatch):
+    """A link to the cache (another user's in /tmp, say) is followed once, when checked: re-pointed later, it
+    changes nothing, since builds and loads use the resolved directory."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    monkeypatch.setenv("HIPKERN_JIT_DIR", str(link))
+    _paths._env_root.cache_clear()
+    assert _paths.cache_root() == real.resolve() and real.is_dir()
+
+
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    """XDG's rule: a relative XDG_CACHE_HOME is ignored (it made the cache follow the working directory)."""
+    monkeypatch.delenv("HIPKERN_JIT_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for xdg in ("relcache", "~/xdg"):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert _paths.cache_root() == (tmp_path / "home" / ".cache" / "hipkern" / "jit").resolve()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _paths.cache_root() == (tmp_path / "xdg" / "hipkern" / "jit").resolve()
+
+
+def test_directories_made_above_the_cache_are_private_whatever_the_umask(tmp_path, monkeypatch):
+    """mkdir(parents=True) made the parents by the umask (0777 under umask 0), and the check then refused them."""
+    monkeypatch.setenv("HIPKERN_JIT_DIR", str(tmp_path / "a" / "b" / "jit"))
+    _paths._env_root.cache_clear()
+    old = os.umask(0)
+    try:
+        root = _paths.cache_root()
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+
+
+def test_a_module_pruned_before_it_loads_is_built_again(jit_dir, tiny_root, tmp_path):
+    """Another install's --prune (sharing the cache) may remove a module between its build and its load: the
+    load builds it again, as the README says, instead of calling the file damaged."""
+    toolchain_or_skip("sm_90", tmp_path)
+    spec = tiny_spec(tiny_root)
+    first = jit.build(spec, "sm_90")
+    shutil.rmtree(first.path.parent)
+    mod = builder.load_built(spec, "sm_90", first)
+    assert first.path.is_file() and mod.wave_size() == 32
+
+
+def test_prune_removes_killed_builds_folders_of_current_keys(jit_dir, tiny_root, tmp_path):
+    """A killed --force or HIPKERN_REBUILD build leaves .tmp-<name>-<current key>-*: prune takes those too (under
+    the key's lock), and keeps the module and its lock."""
+    toolchain_or_skip("sm_90", tmp_path)
+    cur = jit.build(tiny_spec(tiny_root), "sm_90").path.parent
+    killed = cur.parent / f".tmp-{cur.name}-4242-99"
+    killed.mkdir()
+    (killed / "tiny.so").write_bytes(b"half a module")
+    assert [p.name for p in builder.prune([tiny_spec(tiny_root)], "sm_90")] == [killed.name]
+    assert not killed.exists() and (cur / "tiny.so").is_file() and (cur.parent / f"{cur.name}.lock").exists()

@@ -26,21 +26,28 @@ def _env_root(env: str) -> Path:
 
 
 def cache_root() -> Path:
-    """HIPKERN_JIT_DIR (``~`` expanded, made absolute), else $XDG_CACHE_HOME/hipkern/jit (default ~/.cache/hipkern/jit).
+    """HIPKERN_JIT_DIR (``~`` expanded, made absolute), else $XDG_CACHE_HOME/hipkern/jit (default ~/.cache/hipkern/jit;
+    a relative XDG_CACHE_HOME is ignored, as the XDG specification says).
 
-    Created 0700. It must belong to this user and be writable by no one else, and so must every directory
-    above it but for sticky ones such as /tmp (group-writable ones are taken): modules are loaded from it,
-    so a directory others can write or replace is refused rather than used. The arch and module folders
-    are checked too before a module is loaded (builder.build).
+    Created 0700, and so are the directories above it that it makes. It must belong to this user and be writable
+    by no one else, and so must every directory above it but for sticky ones such as /tmp (group-writable ones
+    are taken): modules are loaded from it, so a directory others can write or replace is refused rather than
+    used. The arch and module folders are checked too before a module is loaded (builder.build). Returned
+    resolved: a symbolic link on the way (another user's link in /tmp, say) is followed once, when it is checked,
+    and never again, so re-pointing it later leads nowhere.
     """
     env = os.environ.get("HIPKERN_JIT_DIR")
     if env:
         root = _env_root(env)
     else:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
         root = Path(base) / "hipkern" / "jit"
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in reversed(root.parents):  # (mkdir(parents=True) would make them by the umask)
+            if not d.exists():
+                d.mkdir(mode=0o700, exist_ok=True)
+        root.mkdir(mode=0o700, exist_ok=True)
         st = root.stat()
     except OSError as e:  # a file of that name, a parent that cannot be made, no permission
         where = f"HIPKERN_JIT_DIR={env}" if env else f"JIT cache {root}"
@@ -48,7 +55,7 @@ def cache_root() -> Path:
                        "set HIPKERN_JIT_DIR to a private directory") from e
     check_private(root, st)
     _check_ancestors(root)
-    return root
+    return root.resolve()
 
 
 def check_private(d: Path, st: os.stat_result | None = None) -> None:

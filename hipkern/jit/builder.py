@@ -17,6 +17,7 @@ each module once per process.
 from __future__ import annotations
 
 import ctypes
+import errno
 import dataclasses
 import hashlib
 import json
@@ -180,12 +181,16 @@ def build(spec: ModuleSpec, arch: str | None = None, force: bool = False) -> Bui
                 seconds = _compile(spec, arch, toolchain, final_dir, key)
                 _rebuilt.add((spec.name, arch))
     except OSError as e:  # a full or read-only cache: the cache, not the module, is at fault
-        if not str(e.filename or "").startswith(str(arch_dir)):
+        # (writes, fsync and the lock's pid carry no file name: a full disk is the cache's whatever the name)
+        if not (str(e.filename or "").startswith(str(arch_dir)) or e.errno in _CACHE_FULL):
             raise  # (a source that vanished mid-build, say: not the cache's fault)
         raise JitError(f"building module {spec.name} for {arch}: the JIT cache {arch_dir} cannot be written ({e}); "
                        "free space there, or set HIPKERN_JIT_DIR to a writable private directory") from e
     built = seconds is not None
     return BuildResult(spec, arch, so, built, seconds if built else time.perf_counter() - t0, _resources(final_dir))
+
+
+_CACHE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 def _entry_module(entry: str) -> tuple | None:
@@ -219,10 +224,14 @@ def prune(specs, arch: str) -> list[Path]:
     toolchain = find_toolchain(arch, root)
     current = {s.name: module_key(s, arch, toolchain) for s in specs}
     stale: dict = {}  # (name, old key) -> its entries
+    killed: dict = {}  # (name, current key) -> its killed builds' temporary folders (a killed --force or rebuild)
     for entry in sorted(arch_dir.iterdir()):
         found = _entry_module(entry.name)
-        if found is not None and found[0] in current and found[1] != current[found[0]]:
-            stale.setdefault(found, []).append(entry)
+        if found is not None and found[0] in current:
+            if found[1] != current[found[0]]:
+                stale.setdefault(found, []).append(entry)
+            elif entry.name.startswith(".tmp-"):
+                killed.setdefault(found, []).append(entry)
     for (name, key), entries in sorted(stale.items()):
         lock = arch_dir / f"{name}-{key}.lock"
         # its lock file goes last, while held (file_lock re-checks that it holds the file at the path)
@@ -233,7 +242,11 @@ def prune(specs, arch: str) -> list[Path]:
                 else:
                     entry.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
-    return [entry for entries in stale.values() for entry in entries]
+    for (name, key), entries in sorted(killed.items()):
+        with file_lock(arch_dir / f"{name}-{key}.lock", f"pruning {name} for {arch}"):  # (no live build holds it)
+            for entry in entries:
+                shutil.rmtree(entry, ignore_errors=True)
+    return [entry for entries in [*stale.values(), *killed.values()] for entry in entries]
 
 
 def _resources(final_dir: Path) -> list:
@@ -289,7 +302,16 @@ def load(spec: ModuleSpec, arch: str | None = None) -> Module:
         mod = _loaded.get(key)
         if mod is None:
             platform_of(arch)
-            result = build(spec, arch)
-            mod = Module(spec, arch, result.path)
-            _loaded[key] = mod
+            mod = _loaded[key] = load_built(spec, arch, build(spec, arch))
     return mod
+
+
+def load_built(spec: ModuleSpec, arch: str, result: BuildResult) -> Module:
+    """Module(result.path); built again once if the file is gone meanwhile (another install's --prune shares the
+    cache and removed it: the documented outcome is a rebuild, not a "damaged file" error)."""
+    try:
+        return Module(spec, arch, result.path)
+    except JitError:
+        if result.path.is_file():
+            raise
+        return Module(spec, arch, build(spec, arch).path)
