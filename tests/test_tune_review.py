@@ -141,6 +141,29 @@ def test_the_fused_moe_adapter_rejects_a_candidate_wrong_only_under_skewed_routi
     assert core.settled(FAKE_SCHEMA, {"status": status, "variant": "grouped", "note": note})
 
 
+@pytest.mark.gpu
+def test_the_fused_moe_adapter_checks_every_token(monkeypatch):
+    """The check compared the first 16 tokens only: a candidate wrong in a later token (a later row block of an
+    expert) was accepted, and could have become the op's default."""
+    from hipkern.tune import fused_moe as adapter
+
+    s = adapter.ADAPTER.parse_shape(dict(dtype="bfloat16", model_dim="256", inter_dim="128", num_experts="16",
+                                         topk="2", tokens="64"))
+    bench = adapter.ADAPTER.prepare(s, adapter.ADAPTER.device_info(0), 0)
+    real = adapter.fused_moe
+
+    def wrong_last_token(x, w1, w2, tw, ids, *, out, **kw):
+        real(x, w1, w2, tw, ids, out=out, **kw)
+        out[-1].mul_(1.5)
+        return out
+
+    cand = Candidate.of("grouped", block_m=16)
+    assert core.measure(bench, cand, ("skewed_us",))[0] == "ok"
+    monkeypatch.setattr(adapter, "fused_moe", wrong_last_token)
+    status, us, err, note, fatal, extra = core.measure(bench, cand, ("skewed_us",))
+    assert status == "rejected" and note.startswith("checkAllclose mismatch") and not fatal
+
+
 def test_a_gpu_s_own_row_wins_a_tie_with_rows_of_no_device(tmp_path, monkeypatch):
     """Rows without a device (files from before the column) are as near as the GPU's own: its own row wins
     the tie, however many rows without a device there are (the device tie-break ranks only the others)."""
