@@ -1,6 +1,8 @@
 """The benchmarks' bar report (hipkern.bench.bars) on hand-made rows: each bar met and missed."""
 import math
 
+import re
+
 import pytest
 import torch
 
@@ -173,10 +175,80 @@ def test_bench_cli_refuses_block_m_128_where_the_cases_include_float32(capsys):
     fail on the first float32 case, after its naive timing, and abort every benchmark after it)."""
     from hipkern.bench.__main__ import main
 
-    for argv in (["moe", "--block-m", "128"], ["all", "--block-m", "128", "--dtype", "fp32"]):
+    for argv in (["moe", "--block-m", "128"], ["all", "--block-m", "128", "--dtype", "fp32"],
+                 ["moe", "--block-m", "128", "--cases", "1-4,41"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
-        assert e.value.code == 2 and "--block-m 128 takes --dtype bf16" in capsys.readouterr().err
+        assert e.value.code == 2 and "selected moe cases include float32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["moe", "--cases", "99"], r"'99' is not a test number or a range a-b within 1-\d+"),
+    (["moe", "--cases", "7-3"], r"'7-3' is not a test number or a range"),
+    (["moe", "--cases=-3"], r"'-3' is not a test number, a range a-b"),
+    (["moe", "--cases", "1-2-3"], r"'1-2-3' is not a test number, a range a-b"),
+    (["moe", "--cases", "mixtral", "--dtype", "fp32"], r"--cases mixtral with --dtype fp32 selects no case"),
+    (["paged_attention", "--cases", "3"], r"--cases: options of the moe benchmark, which this run does not"),
+    (["topk_softmax", "--dtype", "fp32", "--block-m", "16"], r"--dtype, --block-m: options of the moe benchmark"),
+])
+def test_bench_cli_refuses_selections_that_select_nothing_or_do_not_apply(argv, match, capsys):
+    """Before any GPU work: an empty or malformed --cases (it ran nothing and exited 0, or raised a bare
+    ValueError after the GPU probe), and moe options given to other benchmarks (silently ignored)."""
+    from hipkern.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+def test_bench_cli_takes_bf16_cases_with_block_m_128_and_runs_a_benchmark_once(monkeypatch):
+    import torch
+
+    from hipkern.bench import __main__ as cli
+
+    ran = []
+
+    def fake_moe(out, quick=False, cases=None, dtype=None, block_m=None):
+        ran.append(dict(cases=cases, dtype=dtype, block_m=block_m))
+        return 0
+
+    monkeypatch.setattr(cli, "BENCHES", {**cli.BENCHES, "moe": fake_moe})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("hipkern.bench.device_line", lambda: "a GPU")
+    assert cli.main(["moe", "moe", "--cases", "mixtral", "--block-m", "128"]) == 0
+    assert ran == [{"cases": "mixtral", "dtype": None, "block_m": 128}]
+
+
+def test_moe_case_header_is_the_reference_line_then_the_routing():
+    from hipkern.bench.moe import all_cases
+
+    head, routing = all_cases()[-1].header().split("\n")
+    assert re.fullmatch(r"Test \d\d: dtype=\w+, token=\d+, model_dim=\d+, inter_dim=\d+, E=\d+, topk=\d+", head)
+    assert routing == "[perf] routing: uniform"
+
+
+def test_a_case_checked_on_several_routings_prints_one_check_line(capsys):
+    """One checkAllclose line a case, as in the reference log (it printed one a routing, prefixed), the worst."""
+    import torch
+
+    from hipkern.bench.moe import check_routings
+
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(4, 32, generator=g), torch.randn(4, 32, 32, generator=g), torch.randn(4, 32, 16, generator=g)
+    w = torch.full((4, 2), 0.5)
+    sets = [(w, torch.tensor([[0, 1]] * 4, dtype=torch.int32)), (w, torch.tensor([[2, 3]] * 4, dtype=torch.int32))]
+    from hipkern.reference import fused_moe_ref
+
+    bad = {"n": 0}
+
+    def custom(tw, ids):  # right on the first routing, wrong on the second
+        bad["n"] += 1
+        y = fused_moe_ref(x, w1, w2, tw, ids, compute_dtype=torch.float32)
+        return y * (1.5 if bad["n"] == 2 else 1.0)
+
+    err, _ = check_routings(custom, torch.empty(4, 32), sets, x, w1, w2)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "checkAllclose" in ln]
+    assert err > 0.5 and len(lines) == 1 and lines[0].startswith("[checkAllclose") and "failed!" in lines[0]
 
 
 def test_bench_cli_all_keeps_extra_benchmarks_named_beside_it(monkeypatch, tmp_path):

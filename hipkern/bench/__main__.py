@@ -11,6 +11,11 @@ BENCHES = {"moe": moe.main, "paged_attention": paged_attention.main, "topk_softm
 EXTRA = {"paged_attention_sweep": paged_attention.sweep}  # not part of "all"
 
 
+def torch_bf16():
+    import torch
+    return torch.bfloat16
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hipkern.bench", description="hipkern benchmarks")
     ap.add_argument("which", nargs="*", default=["all"],
@@ -23,16 +28,24 @@ def main(argv=None) -> int:
     ap.add_argument("--block-m", type=int, default=None, choices=(8, 16, 32, 64, 128),
                     help="moe: pin fused_moe's block_m (default: its automatic choice; 128: 16-bit types)")
     args = ap.parse_args(argv)
-    if args.block_m == 128 and args.dtype not in ("bf16", "bfloat16"):
-        ap.error("--block-m 128 takes --dtype bf16: fused_moe offers block_m 128 for 16-bit types only, and the "
-                 "moe benchmark's cases include float32 otherwise")
     options = {"cases": args.cases, "dtype": args.dtype, "block_m": args.block_m}
-    # "all" is every benchmark of BENCHES; names of EXTRA beside it still run (after them)
-    names = (sorted(BENCHES) + [n for n in args.which if n != "all" and n not in BENCHES]
-             if "all" in args.which else args.which)
+    # "all" is every benchmark of BENCHES; names of EXTRA beside it still run (after them); each name once
+    names = list(dict.fromkeys(sorted(BENCHES) + [n for n in args.which if n != "all" and n not in BENCHES]
+                               if "all" in args.which else args.which))
     unknown = [n for n in names if n not in BENCHES and n not in EXTRA]
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}, {sorted(EXTRA)} or all")
+    given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
+    if given and "moe" not in names:
+        ap.error(f"{', '.join(given)}: options of the moe benchmark, which this run does not include")
+    if "moe" in names:  # the selection, checked before any GPU work
+        try:
+            chosen = moe.select(moe.all_cases(), args.cases, args.dtype, args.quick)
+        except ValueError as e:
+            ap.error(str(e))
+        if args.block_m == 128 and any(c.dtype != torch_bf16() for c in chosen):
+            ap.error("--block-m 128: fused_moe offers block_m 128 for 16-bit types only, and the selected moe cases "
+                     "include float32 (add --dtype bf16, or choose bf16 cases)")
     import torch
 
     if not torch.cuda.is_available():
