@@ -49,6 +49,27 @@ def test_pa_mixed_lengths_share_of_copy_and_its_size_bar():
     lines = bars.paged_attention([big])
     assert _verdicts(lines, "mixed lengths") == ["met", "NOT met"]
     assert ">= 2.8 TB/s" in lines[1] and "(270 MB of KV)" in lines[1]
+    # today's rows: ContextLen the longest length (an int), Lengths "mixed a..b"; judged alike, said alike
+    now = dict(big, ContextLen=4096, Lengths="mixed 1..4096")
+    assert bars.paged_attention([now]) == lines
+    # a uniform 64-head row of ContextLen <= 2048 is a reference shape (SDPA bar); the mixed one never is
+    assert not any("SDPA" in ln for ln in bars.paged_attention([dict(now, NumQHeads=64, ContextLen=2048)]))
+
+
+def test_pa_csv_reads_context_lengths_as_numbers(tmp_path):
+    """The mixed row wrote "mixed<= 3796" into ContextLen, so a spreadsheet or pandas read the column as text."""
+    import csv
+
+    from hipkern.bench.paged_attention import COLUMNS
+    from hipkern.testing import BenchTable
+
+    t = BenchTable(COLUMNS)
+    rest = {c: 1.0 for c in COLUMNS}
+    t.add(**dict(rest, BatchSize=32, ContextLen=2048, Lengths="uniform", Check="passed"))
+    t.add(**dict(rest, BatchSize=32, ContextLen=3796, Lengths="mixed 1..3796", Check="passed"))
+    rows = list(csv.DictReader(open(t.to_csv(tmp_path / "pa.csv"))))
+    assert [int(r["ContextLen"]) for r in rows] == [2048, 3796]
+    assert [r["Lengths"] for r in rows] == ["uniform", "mixed 1..3796"]
 
 
 def test_pa_size_classes_go_by_the_kv_alone():

@@ -77,11 +77,14 @@ def paged_attention(rows: list[dict]) -> list[str]:
     """Lines for the rows of bench.paged_attention (its BenchTable rows)."""
     out = []
     for r in rows:
-        shape = (f"{r['BatchSize']} x {r['ContextLen']} x {r['NumQHeads']}/{r['NumKVHeads']} heads x "
-                 f"{r['HeadSize']}")
+        # the mixed-length batch: Lengths "mixed a..b" (ContextLen its longest); rows from before that column
+        # said "mixed<= b" in ContextLen
+        mixed = str(r.get("Lengths", "")).startswith("mixed") or str(r["ContextLen"]).startswith("mixed")
+        ctx = r["ContextLen"] if not mixed or str(r["ContextLen"]).startswith("mixed") else f"mixed<= {r['ContextLen']}"
+        shape = f"{r['BatchSize']} x {ctx} x {r['NumQHeads']}/{r['NumKVHeads']} heads x {r['HeadSize']}"
         us, kv, moved, floor = r["Custom_Time_us"], r["KV_MB"], r["Bytes_MB"], r.get("Floor_us")
         ok = _passed(r, "Check")
-        if str(r["ContextLen"]).startswith("mixed"):
+        if mixed:
             bar = 0.8 * COPY_BW_TBPS
             out.append(_line(f"mixed lengths {shape}", f"{r['TBps']:.3f} TB/s", f">= {bar:.2f} TB/s (80 % of copy)",
                              r["TBps"] >= bar, moved / bar, floor, ok))
@@ -90,11 +93,11 @@ def paged_attention(rows: list[dict]) -> list[str]:
             bar = 2.8 if kv >= 256 else 2.4
             out.append(_line(f"{shape} ({kv:.0f} MB of KV)", f"{r['TBps']:.3f} TB/s", f">= {bar} TB/s",
                              r["TBps"] >= bar, moved / bar, floor, ok))
-        if isinstance(r["ContextLen"], int) and r["ContextLen"] <= 2048 and r["NumQHeads"] == 64:  # reference grid
+        if not mixed and int(r["ContextLen"]) <= 2048 and r["NumQHeads"] == 64:  # reference grid
             sdpa = r["SDPA_contiguous_us"]
             out.append(_line(f"{shape} against SDPA on contiguous KV", f"{us:.2f} us", f"< {sdpa:.2f} us",
                              us < sdpa, checked=ok))
-            if r["BatchSize"] == 1 and r["ContextLen"] == 256:
+            if r["BatchSize"] == 1 and int(r["ContextLen"]) == 256:
                 out.append(_line(f"{shape}, the smallest", f"{us:.2f} us", f"<= {PA_SMALL_US:.0f} us",
                                  us <= PA_SMALL_US, PA_SMALL_US, floor, ok))
             elif floor is not None and floor < PA_SMALL_US:  # (the smallest shapes: judged just above)

@@ -34,8 +34,10 @@ BLOCK = 16
 REFERENCE_GRID = [(b, c, hq, hkv, d) for hq, hkv, d in ((64, 1, 256), (64, 8, 128))
                   for b in (1, 8, 16, 32) for c in (256, 2048)]
 LARGE_GRID = [(b, c, 32, 8, 128) for b in (64, 128) for c in (4096, 16384, 32768)]
+# ContextLen: the longest length (an int on every row: a spreadsheet reads the column as numbers); Lengths says
+# whether the batch's lengths are uniform or mixed (and their range).
 COLUMNS = ["BatchSize", "ContextLen", "NumQHeads", "NumKVHeads", "HeadSize", "Naive_Time_us", "Custom_Time_us",
-           "Speedup", "Variant", "Floor_us", "KV_MB", "Bytes_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us",
+           "Speedup", "Lengths", "Variant", "Floor_us", "KV_MB", "Bytes_MB", "TBps", "Pct_of_copy_BW", "SDPA_gather_us",
            "SDPA_contiguous_us", "Graph_us", "Graph_TBps", "SDPA_contiguous_graph_us", "Best_Variant", "Best_us",
            *[f"{v}_us" for v in VARIANTS], "Check"]
 
@@ -118,9 +120,9 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     us = custom_us
     tbps = nbytes / us / 1e6
     floor_us = read_floor_us(nbytes, num_iters=iters)
-    table.add(BatchSize=len(lens), ContextLen=n if name != "mixed" else f"mixed<= {n}", NumQHeads=hq,
-              NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us, Custom_Time_us=us, Speedup=naive_us / us,
-              Variant=chosen, Floor_us=floor_us, KV_MB=kv_bytes / 1e6, Bytes_MB=nbytes / 1e6, TBps=tbps,
+    table.add(BatchSize=len(lens), ContextLen=n, NumQHeads=hq, NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us,
+              Custom_Time_us=us, Speedup=naive_us / us,
+              Lengths=f"mixed {min(lens)}..{n}" if name == "mixed" else "uniform", Variant=chosen, Floor_us=floor_us, KV_MB=kv_bytes / 1e6, Bytes_MB=nbytes / 1e6, TBps=tbps,
               Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
               SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Graph_us=graph_us,
               Graph_TBps=nbytes / graph_us / 1e6, SDPA_contiguous_graph_us=contig_graph_us,
