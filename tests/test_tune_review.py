@@ -118,25 +118,34 @@ def test_a_dry_run_without_a_gpu_says_its_plan_is_not_a_gpu_s(fresh, monkeypatch
     assert "plans with one resident block an SM for every kernel" in capsys.readouterr().out
 
 
-@pytest.mark.gpu
-def test_the_fused_moe_adapter_rejects_a_candidate_wrong_only_under_skewed_routing(monkeypatch):
+def _measure_spoiled(monkeypatch, tokens: int, spoil) -> tuple:
+    """core.measure of fused_moe's grouped/16 candidate on a small shape: once as it is (it must pass), then with
+    spoil(out, ids) applied to every output of the op; returns the second measurement."""
     from hipkern.tune import fused_moe as adapter
 
     s = adapter.ADAPTER.parse_shape(dict(dtype="bfloat16", model_dim="256", inter_dim="128", num_experts="16",
-                                         topk="2", tokens="8"))
+                                         topk="2", tokens=str(tokens)))
     bench = adapter.ADAPTER.prepare(s, adapter.ADAPTER.device_info(0), 0)
     real = adapter.fused_moe
 
-    def wrong_when_skewed(x, w1, w2, tw, ids, *, out, **kw):
+    def spoiled(x, w1, w2, tw, ids, *, out, **kw):
         real(x, w1, w2, tw, ids, out=out, **kw)
-        if bool((ids == ids[:1]).all()):
-            out.mul_(1.5)
+        spoil(out, ids)
         return out
 
     cand = Candidate.of("grouped", block_m=16)
     assert core.measure(bench, cand, ("skewed_us",))[0] == "ok"
-    monkeypatch.setattr(adapter, "fused_moe", wrong_when_skewed)
-    status, us, err, note, fatal, extra = core.measure(bench, cand, ("skewed_us",))
+    monkeypatch.setattr(adapter, "fused_moe", spoiled)
+    return core.measure(bench, cand, ("skewed_us",))
+
+
+@pytest.mark.gpu
+def test_the_fused_moe_adapter_rejects_a_candidate_wrong_only_under_skewed_routing(monkeypatch):
+    def when_skewed(out, ids):
+        if bool((ids == ids[:1]).all()):
+            out.mul_(1.5)
+
+    status, us, err, note, fatal, extra = _measure_spoiled(monkeypatch, 8, when_skewed)
     assert status == "rejected" and note.startswith("WrongResult: skewed routing") and not fatal
     assert core.settled(FAKE_SCHEMA, {"status": status, "variant": "grouped", "note": note})
 
@@ -145,22 +154,7 @@ def test_the_fused_moe_adapter_rejects_a_candidate_wrong_only_under_skewed_routi
 def test_the_fused_moe_adapter_checks_every_token(monkeypatch):
     """The check compared the first 16 tokens only: a candidate wrong in a later token (a later row block of an
     expert) was accepted, and could have become the op's default."""
-    from hipkern.tune import fused_moe as adapter
-
-    s = adapter.ADAPTER.parse_shape(dict(dtype="bfloat16", model_dim="256", inter_dim="128", num_experts="16",
-                                         topk="2", tokens="64"))
-    bench = adapter.ADAPTER.prepare(s, adapter.ADAPTER.device_info(0), 0)
-    real = adapter.fused_moe
-
-    def wrong_last_token(x, w1, w2, tw, ids, *, out, **kw):
-        real(x, w1, w2, tw, ids, out=out, **kw)
-        out[-1].mul_(1.5)
-        return out
-
-    cand = Candidate.of("grouped", block_m=16)
-    assert core.measure(bench, cand, ("skewed_us",))[0] == "ok"
-    monkeypatch.setattr(adapter, "fused_moe", wrong_last_token)
-    status, us, err, note, fatal, extra = core.measure(bench, cand, ("skewed_us",))
+    status, us, err, note, fatal, extra = _measure_spoiled(monkeypatch, 64, lambda out, ids: out[-1].mul_(1.5))
     assert status == "rejected" and note.startswith("checkAllclose mismatch") and not fatal
 
 
