@@ -229,7 +229,7 @@ def _distinct_bytes(t: torch.Tensor) -> int:
     """Bytes of t's distinct elements: an expanded tensor's (stride-0 dimensions) once; a sparse COO tensor's values
     and indices."""
     if t.layout == torch.sparse_coo:
-        return t._values().numel() * t._values().element_size() + t._indices().numel() * t._indices().element_size()
+        return t._values().nbytes + t._indices().nbytes
     if t.layout != torch.strided or t.is_nested:
         return t.numel() * t.element_size()
     return math.prod(n for n, st in zip(t.shape, t.stride()) if st != 0) * t.element_size()

@@ -255,7 +255,8 @@ def test_a_case_checked_on_several_routings_prints_one_check_line(capsys):
     from hipkern.bench.moe import check_routings
 
     g = torch.Generator().manual_seed(0)
-    x, w1, w2 = torch.randn(4, 32, generator=g), torch.randn(4, 32, 32, generator=g), torch.randn(4, 32, 16, generator=g)
+    x = torch.randn(4, 32, generator=g)
+    w1, w2 = torch.randn(4, 32, 32, generator=g), torch.randn(4, 32, 16, generator=g)
     w = torch.full((4, 2), 0.5)
     sets = [(w, torch.tensor([[0, 1]] * 4, dtype=torch.int32)), (w, torch.tensor([[2, 3]] * 4, dtype=torch.int32))]
     from hipkern.reference import fused_moe_ref

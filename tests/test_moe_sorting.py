@@ -211,7 +211,8 @@ def test_out_of_range_ids_stay_in_bounds_and_validate_rejects_them(t):
     _check(ok, 64, 16, hipkern.moe_sorting(ok, 64, 16, validate=True))
     past = torch.arange(64, device="cuda", dtype=torch.int32)
     past[7] = 64  # a local index is one of the E experts: 64 cannot be one
-    with pytest.raises(ValueError, match=r"expert_map values .* in \[0, 64\) \(num_experts\), found values in \[0, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"expert_map values .* in \[0, 64\) \(num_experts\), found values in \[0, 64\]"):
         hipkern.moe_sorting(ok, 64, 16, validate=True, expert_map=past)
     past[7] = 63
     _check(ok, 64, 16, hipkern.moe_sorting(ok, 64, 16, validate=True, expert_map=past), past)

@@ -11,11 +11,6 @@ BENCHES = {"moe": moe.main, "paged_attention": paged_attention.main, "topk_softm
 EXTRA = {"paged_attention_sweep": paged_attention.sweep}  # not part of "all"
 
 
-def torch_bf16():
-    import torch
-    return torch.bfloat16
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hipkern.bench", description="hipkern benchmarks")
     ap.add_argument("which", nargs="*", default=["all"],
@@ -28,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-m", type=int, default=None, choices=(8, 16, 32, 64, 128),
                     help="moe: pin fused_moe's block_m (default: its automatic choice; 128: 16-bit types)")
     args = ap.parse_args(argv)
+    import torch  # (loaded already: the moe benchmark imports it)
+
     options = {"cases": args.cases, "dtype": args.dtype, "block_m": args.block_m}
     # "all" is every benchmark of BENCHES; names of EXTRA beside it still run (after them); each name once
     names = list(dict.fromkeys(sorted(BENCHES) + [n for n in args.which if n != "all" and n not in BENCHES]
@@ -43,11 +40,9 @@ def main(argv=None) -> int:
             chosen = moe.select(moe.all_cases(), args.cases, args.dtype, args.quick)
         except ValueError as e:
             ap.error(str(e))
-        if args.block_m == 128 and any(c.dtype != torch_bf16() for c in chosen):
+        if args.block_m == 128 and any(c.dtype == torch.float32 for c in chosen):
             ap.error("--block-m 128: fused_moe offers block_m 128 for 16-bit types only, and the selected moe cases "
                      "include float32 (add --dtype bf16, or choose bf16 cases)")
-    import torch
-
     if not torch.cuda.is_available():
         print("hipkern.bench needs a GPU visible to torch", file=sys.stderr)
         return 2

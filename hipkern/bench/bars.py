@@ -79,8 +79,9 @@ def paged_attention(rows: list[dict]) -> list[str]:
     for r in rows:
         # the mixed-length batch: Lengths "mixed a..b" (ContextLen its longest); rows from before that column
         # said "mixed<= b" in ContextLen
-        mixed = str(r.get("Lengths", "")).startswith("mixed") or str(r["ContextLen"]).startswith("mixed")
-        ctx = r["ContextLen"] if not mixed or str(r["ContextLen"]).startswith("mixed") else f"mixed<= {r['ContextLen']}"
+        legacy = str(r["ContextLen"]).startswith("mixed")
+        mixed = legacy or str(r.get("Lengths", "")).startswith("mixed")
+        ctx = f"mixed<= {r['ContextLen']}" if mixed and not legacy else r["ContextLen"]
         shape = f"{r['BatchSize']} x {ctx} x {r['NumQHeads']}/{r['NumKVHeads']} heads x {r['HeadSize']}"
         us, kv, moved, floor = r["Custom_Time_us"], r["KV_MB"], r["Bytes_MB"], r.get("Floor_us")
         ok = _passed(r, "Check")

@@ -122,7 +122,8 @@ def bench_shape(table, name, lens, hq, hkv, d, iters, naive_iters):
     floor_us = read_floor_us(nbytes, num_iters=iters)
     table.add(BatchSize=len(lens), ContextLen=n, NumQHeads=hq, NumKVHeads=hkv, HeadSize=d, Naive_Time_us=naive_us,
               Custom_Time_us=us, Speedup=naive_us / us,
-              Lengths=f"mixed {min(lens)}..{n}" if name == "mixed" else "uniform", Variant=chosen, Floor_us=floor_us, KV_MB=kv_bytes / 1e6, Bytes_MB=nbytes / 1e6, TBps=tbps,
+              Lengths=f"mixed {min(lens)}..{n}" if name == "mixed" else "uniform", Variant=chosen, Floor_us=floor_us,
+              KV_MB=kv_bytes / 1e6, Bytes_MB=nbytes / 1e6, TBps=tbps,
               Pct_of_copy_BW=100 * tbps / COPY_BW_TBPS,
               SDPA_gather_us=gather_us, SDPA_contiguous_us=contig_us, Graph_us=graph_us,
               Graph_TBps=nbytes / graph_us / 1e6, SDPA_contiguous_graph_us=contig_graph_us,

@@ -17,8 +17,8 @@ each module once per process.
 from __future__ import annotations
 
 import ctypes
-import errno
 import dataclasses
+import errno
 import hashlib
 import json
 import logging

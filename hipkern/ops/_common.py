@@ -137,7 +137,8 @@ def host_check(fn):
     """Mark a validate=True check, which reads tensor values on the host (a device sync). Dynamo cannot trace such a
     read: compiled code breaks the graph before the check and runs it eagerly, and torch.compile(fullgraph=True)
     refuses it with HOST_CHECK_REASON (before, it failed on a data-dependent guard deep in dynamo). A graph break
-    with a message rather than torch.compiler.disable, which imports dynamo when applied: ~2 s more to import hipkern."""
+    with a message rather than torch.compiler.disable, which imports dynamo when applied: ~2 s more to import
+    hipkern."""
     @functools.wraps(fn)
     def checked(*args):
         if torch.compiler.is_compiling():

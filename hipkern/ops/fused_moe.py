@@ -263,11 +263,6 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
     check_device(hidden_states.device, **others)
 
 
-def _check_values(topk_ids, num_experts, expert_map, num_local) -> None:
-    """validate=True: moe_sorting's checks, expert_map's local indices below E_local; syncs with the device."""
-    _sorting._check_values(topk_ids, num_experts, expert_map, num_local, "w1's first dim")
-
-
 def _routed_experts(w1, expert_map) -> int:
     """E, the experts topk_ids index: expert_map's length when given, else w1's."""
     return w1.shape[0] if expert_map is None else expert_map.shape[0]
@@ -497,7 +492,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
               (activation, block_m, variant), hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
               block_m, out, variant)
     if validate:
-        _check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0])
+        # moe_sorting's checks, with expert_map's local indices below w1's experts (syncs with the device)
+        _sorting._check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0], "w1's first dim")
     bm = block_m or 0
     if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
         if out is None:
