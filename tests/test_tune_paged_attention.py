@@ -72,11 +72,13 @@ def test_paged_attention_grid_names_real_variants_and_params():
     assert all(set(g) <= set(ADAPTER.schema.param_keys) for g in PARAM_GRID.values())
 
 
-@pytest.mark.parametrize("batch,context", [(1, 128), (1, 65536), (8, 2048), (256, 65536)])
-def test_paged_attention_candidates_are_distinct_launches(batch, context):
+@pytest.mark.parametrize("batch,context,hq,hkv", [(1, 128, 32, 8), (1, 65536, 32, 8), (8, 2048, 32, 8),
+                                                  (256, 65536, 32, 8), (64, 65536, 64, 8), (64, 65536, 32, 32)])
+def test_paged_attention_candidates_are_distinct_launches(batch, context, hq, hkv):
     from hipkern.ops import paged_attention as pa
+    from hipkern.tune.paged_attention import FILL_BLOCKS_PER_SM
     info = ADAPTER.info_for("sm_90", 132)
-    shape = pa_shape(batch, context)
+    shape = pa_shape(batch, context, hq, hkv)
     pr = ADAPTER.candidates(shape, info)
     launches = {c.name: launch for c, launch, _ in ADAPTER._launches(shape, info)}
     assert pr.kept[0] == ADAPTER.heuristic(shape, info)
@@ -86,8 +88,11 @@ def test_paged_attention_candidates_are_distinct_launches(batch, context):
                for a, b in pr.same.items())
     for v in pa.VARIANTS:  # every variant's default is timed, maybe under the name of the same launch
         assert pr.same.get(v, v) in {c.name for c in pr.kept}
-    for a, b in pr.dominated.items():
-        assert launches[a][0] == launches[b][0] and launches[a][2].num_partitions > launches[b][2].num_partitions
+    blocks = {c.name: n for c, _, n in ADAPTER._launches(shape, info)}
+    for a, b in pr.dominated.items():  # by a coarser split of the same kernel and scheme that fills the GPU
+        (ka, _, pa_), (kb, _, pb) = launches[a], launches[b]
+        assert ka == kb and pa_.per_sequence == pb.per_sequence and pa_.num_partitions > pb.num_partitions
+        assert pb.grid_blocks(blocks[b], batch) >= FILL_BLOCKS_PER_SM * 132
     assert len(pr.kept) + len(pr.same) + len(pr.dominated) == len(launches)
 
 

@@ -61,6 +61,14 @@ class Plan:
     partition_size: int  # tokens (per_sequence: 0, the GPU sizes partitions)
     per_sequence: bool = False
 
+    def grid_blocks(self, blocks: int, num_seqs: int) -> int:
+        """Decode blocks a launch runs, given Shape.blocks (one partition's) and the sequences: a uniform split
+        runs every partition of every sequence; a per-sequence one an item a sequence plus its split target's
+        items, each of blocks / num_seqs blocks."""
+        if self.per_sequence:
+            return (num_seqs + self.num_partitions) * (blocks // num_seqs)
+        return blocks * self.num_partitions
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:

@@ -155,8 +155,11 @@ class PagedAttentionTuner:
         for cand, (kernel, _, plan) in kept:
             if cand.name in timed_anyway:
                 continue
+            # (a per-sequence plan's num_partitions is a split target, not a partition count: such plans are
+            # compared only with one another, by the blocks they launch)
             coarser = [(p.num_partitions, c.name) for c, (k, h, p) in kept if k == kernel and
-                       p.num_partitions < plan.num_partitions and blocks[(k, h, p)] * p.num_partitions >= full]
+                       p.per_sequence == plan.per_sequence and p.num_partitions < plan.num_partitions and
+                       p.grid_blocks(blocks[(k, h, p)], _seqs(s)) >= full]
             if coarser:
                 dominated[cand.name] = min(coarser)[1]
         return Pruned([c for c, _ in kept if c.name not in dominated], same, dominated)
