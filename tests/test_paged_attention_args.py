@@ -101,6 +101,26 @@ def test_the_registered_op_s_fake_validates_too():
             torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 3e38, "NHD", "", out, lse)
 
 
+def test_a_variant_that_cannot_run_the_head_size_is_refused_while_tracing(monkeypatch):
+    """v16/v5 at head size 256 on CDNA: refused by the validation (so by the fake, as torch.compile traces), not
+    only at the launch, after out was allocated and the module built."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("HIPKERN_ARCH", "gfx942")
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 256, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(10, 16, 2, 256, dtype=torch.bfloat16, device="cuda")
+        bt, cl = torch.empty(2, 4, dtype=torch.int32, device="cuda"), torch.empty(2, dtype=torch.int32, device="cuda")
+        out, lse = torch.empty_like(q), torch.empty(2, 8, device="cuda")
+        for variant in ("v16", "v4", "v5"):
+            with pytest.raises(ValueError, match="supports head sizes 64 and 128 on this GPU"):
+                torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", variant, out, lse)
+        for variant in ("v3", "v9", "v6", ""):  # these run it
+            torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", variant, out, lse)
+        monkeypatch.setenv("HIPKERN_ARCH", "sm_90")
+        torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", "v16", out, lse)
+
+
 def test_empty_cache_and_oversized_tables_rejected():
     c = _cpu_case(key_cache=torch.randn(0, 16, 2, 128, dtype=torch.bfloat16),
                   value_cache=torch.randn(0, 16, 2, 128, dtype=torch.bfloat16))

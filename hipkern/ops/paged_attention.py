@@ -401,6 +401,19 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         tensors["out"] = out
     check_tensor("query", query, contiguous=False)
     check_device(dev, **tensors)
+    if variant is not None:  # before any allocation or build (and while tracing)
+        try:
+            arch = jit.current_arch(query.get_device())
+        except jit.JitError:  # no arch to build for (fake tensors without a GPU): the launch checks its module's
+            arch = None
+        if arch:
+            _check_runs(VARIANTS[variant], head_size, jit.wave_size_of(arch))
+
+
+def _check_runs(var: Variant, head_size: int, wave_size: int) -> None:
+    if not kernel_runs(var, head_size, wave_size):
+        raise ValueError(f"variant {var.name} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
+                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
 
 
 _VALID: dict = {}  # argument sets that passed _validate (_common.validated)
@@ -492,9 +505,7 @@ def _derive_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, var
     if num_seqs > VARIANTS[variant].max_seqs:  # a (nearest) database row's choice
         variant, params = "v16", {}
     var = VARIANTS[variant]
-    if not kernel_runs(var, head_size, mod.wave_size()):
-        raise ValueError(f"variant {variant} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
-                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
+    _check_runs(var, head_size, mod.wave_size())  # (validation checked a variant asked for; this, the module's)
     group = num_q_heads // hkv
     params = with_heads(var, params, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev))
     shape = make_shape(var, num_seqs, num_q_heads, hkv, max_tokens, sm_count(dev), mod.wave_size(),
