@@ -220,6 +220,22 @@ def test_an_arch_the_gpu_cannot_run_is_refused_before_a_build(monkeypatch):
     assert jit.platform.load_arch(0) == "sm_80"  # sm_80 modules on an H100: through their PTX
 
 
+def test_modules_are_cached_per_arch(monkeypatch):
+    """HIPKERN_ARCH changed after a first call: the op loads the new arch's module (checked against the GPU), not
+    the module of the arch loaded before, whose choices the plans would no longer match."""
+    from hipkern.ops import _common
+    monkeypatch.setattr(jit.platform, "_device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(jit, "load", lambda spec, arch: ("module", arch))
+    monkeypatch.setattr(_common, "_modules", {})
+    monkeypatch.setenv("HIPKERN_ARCH", "sm_90")
+    assert _common.module_for("topk_softmax", 0, dtype="float32") == ("module", "sm_90")
+    monkeypatch.setenv("HIPKERN_ARCH", "sm_80")
+    assert _common.module_for("topk_softmax", 0, dtype="float32") == ("module", "sm_80")
+    monkeypatch.setenv("HIPKERN_ARCH", "gfx942")
+    with pytest.raises(JitError, match="HIPKERN_ARCH=gfx942 builds for gfx942, which GPU 0 .sm_90. cannot run"):
+        _common.module_for("topk_softmax", 0, dtype="float32")
+
+
 @pytest.mark.parametrize("host", ["gcc", "g++"])
 def test_the_host_compilers_are_in_the_cuda_toolchain_s_version(tmp_path, monkeypatch, host):
     """nvcc preprocesses and compiles a module's host code with the gcc on PATH and links with g++: another

@@ -274,7 +274,8 @@ _modules: dict = {}
 
 
 def _module_key(family: str, device_index: int, params: dict) -> tuple:
-    return (family, device_index, *sorted(params.items()))
+    # HIPKERN_ARCH picks the arch (load_arch): a module loaded under another value is another arch's
+    return (family, device_index, os.environ.get("HIPKERN_ARCH"), *sorted(params.items()))
 
 
 def module_for(family: str, device_index: int, **params) -> jit.Module:
