@@ -184,6 +184,21 @@ def test_batches_past_a_variants_limit_and_the_largest_bucket():
         pa_shape(65537, 256)
 
 
+def test_the_largest_context_bucket_is_timed_within_the_op_s_limit():
+    """Context 2^30 (the bucket of tables up to the op's 2^30 - 1 tokens) is timed with the whole blocks below
+    that limit, which the op takes: every candidate would be refused at 2^30 itself."""
+    from hipkern.ops import paged_attention as pa
+    from hipkern.tune.paged_attention import _context
+    info = ADAPTER.info_for("sm_90", 132)
+    big = pa_shape(1, 2**30)
+    assert big["context"] == 2**30 and _context(big) == 2**30 - 16 and tuning_db.bucket(_context(big)) == 2**30
+    assert ADAPTER.nbytes(big) == ADAPTER.nbytes(pa_shape(1, 2**30 - 16))
+    assert max(launch[2].num_partitions * launch[2].partition_size
+               for _, launch, _ in ADAPTER._launches(big, info) if not launch[2].per_sequence) >= 2**30 - 16
+    with pytest.raises(ValueError, match="context must be at most 1073741824"):
+        pa_shape(1, 2**30 + 1)
+
+
 def test_the_default_on_cdna_at_head_size_256_is_the_op_s():
     """The tuner's default (its 2 % margin, the report's "gain vs the default") is what the op runs untuned:
     v3 at head size 256 on CDNA, where the matrix-core kernels do not fit 64 KB of LDS; v16 elsewhere."""

@@ -68,6 +68,12 @@ def _seqs(s) -> int:
     return min(s["batch"], 65535)
 
 
+def _context(s) -> int:
+    """Tokens a shape's sequences are timed with: its context, but at most the whole blocks of the op's
+    MAX_TOKENS (bucket 2^30: a block table of 2^30 - 1 tokens, an untuned log's row)."""
+    return min(s["context"], pa.MAX_TOKENS // s["block_size"] * s["block_size"])
+
+
 class PagedAttentionTuner:
     op = "paged_attention"
 
@@ -99,6 +105,8 @@ class PagedAttentionTuner:
                              f"1..{pa.MAX_GQA}")
         if s["context"] < bs:
             raise ValueError(f"context ({s['context']}) must be at least block_size ({bs})")
+        if s["context"] > 2**30:  # 2^30: the bucket of the op's longest tables (timed at its MAX_TOKENS)
+            raise ValueError(f"context must be at most {2**30}, got {s['context']}")
         if s["batch"] > 65536:  # 65536: the bucket of 32769..65535 sequences (an untuned log's row), timed at 65535
             raise ValueError(f"batch must be at most 65536, got {s['batch']}")
         return s
@@ -120,7 +128,7 @@ class PagedAttentionTuner:
     def _launches(self, s, info):
         first = self.heuristic(s, info).name
         names = [first] + [v for v in pa.VARIANTS if v != first]
-        max_tokens = math.ceil(s["context"] / s["block_size"]) * s["block_size"]
+        max_tokens = math.ceil(_context(s) / s["block_size"]) * s["block_size"]
         for v in names:
             var = pa.VARIANTS[v]
             if _seqs(s) > var.max_seqs:  # the op would run v16 under its name
@@ -167,7 +175,7 @@ class PagedAttentionTuner:
     @staticmethod
     def nbytes(s) -> int:
         el = DTYPES[s["dtype"]].itemsize
-        return el * (2 * _seqs(s) * s["context"] * s["num_kv_heads"] * s["head_size"]
+        return el * (2 * _seqs(s) * _context(s) * s["num_kv_heads"] * s["head_size"]
                      + 2 * _seqs(s) * s["num_q_heads"] * s["head_size"])
 
     @staticmethod
@@ -181,7 +189,7 @@ class PagedAttentionTuner:
         iters, warmup = self.iterations(t)
         per_cand = (1 + warmup) * t + (2 + SLEEP) * iters * max(t + FLUSH_US, HOST_US)
         n_ref = min(CHECK_SEQS, _seqs(s))
-        ref_s = n_ref * (0.002 + 12 * s["context"] * s["num_kv_heads"] * s["head_size"] * 4 / 1e12)
+        ref_s = n_ref * (0.002 + 12 * _context(s) * s["num_kv_heads"] * s["head_size"] * 4 / 1e12)
         return SHAPE_OVERHEAD_S + ref_s + len(cands) * per_cand / 1e6
 
     def _kv_pool(self, s, device, need_blocks):
@@ -202,7 +210,7 @@ class PagedAttentionTuner:
         return k, v
 
     def prepare(self, s, info, device) -> "_Bench":
-        need = _seqs(s) * math.ceil(s["context"] / s["block_size"])
+        need = _seqs(s) * math.ceil(_context(s) / s["block_size"])
         k, v = self._kv_pool(s, device, need)
         return _Bench(s, k, v, device, self.nbytes(s), self.estimate_kernel_us(s))
 
@@ -216,7 +224,7 @@ class _Bench:
     def __init__(self, s, k, v, device, nbytes, kernel_us):
         dev, pool = f"cuda:{device}", k.shape[0]
         g = torch.Generator(device=dev).manual_seed(s["batch"] * 1_000_003 + s["context"])
-        nblk = math.ceil(s["context"] / s["block_size"])
+        nblk = math.ceil(_context(s) / s["block_size"])
         need = _seqs(s) * nblk
         if need <= pool:
             bt = torch.randperm(pool, generator=g, device=dev)[:need]
@@ -225,7 +233,7 @@ class _Bench:
         self.k, self.v, self.layout, self.nbytes = k, v, s["kv_layout"], nbytes
         self.bt = bt.view(_seqs(s), nblk).to(torch.int32)
         self.q = torch.randn((_seqs(s), s["num_q_heads"], s["head_size"]), generator=g, device=dev, dtype=k.dtype)
-        self.cl = torch.full((_seqs(s),), s["context"], dtype=torch.int32, device=dev)
+        self.cl = torch.full((_seqs(s),), _context(s), dtype=torch.int32, device=dev)
         self.out = torch.empty_like(self.q)
         self.tol = TOL[s["dtype"]]
         self.iters, self.warmup = PagedAttentionTuner.iterations(kernel_us)
