@@ -121,6 +121,18 @@ def test_a_variant_that_cannot_run_the_head_size_is_refused_while_tracing(monkey
         torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", "v16", out, lse)
 
 
+def test_choose_variant_says_what_the_op_runs_past_a_variant_s_sequence_limit(monkeypatch):
+    """A (nearest) database row choosing v5 for a call of more sequences than v5 takes: the op runs v16, and
+    choose_variant (the benchmark's Variant column, the tests' expectations) says so."""
+    from hipkern.ops import paged_attention as pa
+    monkeypatch.setattr(pa, "_lookup", lambda *a: ("v5", {"blocks_per_slot": 2}))
+    for seqs, want in ((pa.MAX_PER_SEQUENCE_SEQS, ("v5", {"blocks_per_slot": 2})),
+                       (pa.MAX_PER_SEQUENCE_SEQS + 1, ("v16", {}))):
+        c = _cpu_case(query=torch.randn(seqs, 8, 128, dtype=torch.bfloat16),
+                      block_tables=torch.zeros(seqs, 4, dtype=torch.int32))
+        assert pa.choose_variant(c["query"], c["key_cache"], c["block_tables"], "NHD") == want
+
+
 def test_empty_cache_and_oversized_tables_rejected():
     c = _cpu_case(key_cache=torch.randn(0, 16, 2, 128, dtype=torch.bfloat16),
                   value_cache=torch.randn(0, 16, 2, 128, dtype=torch.bfloat16))

@@ -501,9 +501,7 @@ def _derive_plan(dev, mod, query, head_size, bs, hkv, kv_layout, max_blocks, var
     params = {}
     max_tokens = max_blocks * bs
     if not variant:
-        variant, params = _lookup(dev, query, head_size, bs, hkv, kv_layout, max_tokens)
-    if num_seqs > VARIANTS[variant].max_seqs:  # a (nearest) database row's choice
-        variant, params = "v16", {}
+        variant, params = _chosen(dev, query, head_size, bs, hkv, kv_layout, max_tokens)
     var = VARIANTS[variant]
     _check_runs(var, head_size, mod.wave_size())  # (validation checked a variant asked for; this, the module's)
     group = num_q_heads // hkv
@@ -569,9 +567,10 @@ def runs_here(variant: str, head_size: int) -> bool:
 
 def choose_variant(query, key_cache, block_tables, kv_layout) -> tuple:
     """(variant, params) for variant=None: the tuning database's row for this shape (exact, else
-    nearest), else the heuristic default (heuristic_variant) with its default parameters."""
+    nearest), else the heuristic default (heuristic_variant) with its default parameters; v16 where the
+    row's variant takes fewer sequences than the call has (what the op runs then)."""
     _, bs, hkv, d, *_ = _cache_dims(kv_layout, key_cache)
-    return _lookup(query.get_device(), query, d, bs, hkv, kv_layout, block_tables.shape[1] * bs)
+    return _chosen(query.get_device(), query, d, bs, hkv, kv_layout, block_tables.shape[1] * bs)
 
 
 def _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens) -> tuple:
@@ -581,6 +580,13 @@ def _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_toke
         head_size=head_size, block_size=block_size, num_q_heads=query.shape[1], num_kv_heads=num_kv_heads,
         kv_layout=kv_layout, batch=tuning_db.bucket(query.shape[0]), context=tuning_db.bucket(max_tokens))
     return (choice.variant, choice.params) if choice else (heuristic_variant(head_size, arch), {})
+
+
+def _chosen(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens) -> tuple:
+    """_lookup's (variant, params), or v16's default where that variant takes fewer sequences than the call
+    has (a nearest row's choice: v5 at most MAX_PER_SEQUENCE_SEQS)."""
+    variant, params = _lookup(dev, query, head_size, block_size, num_kv_heads, kv_layout, max_tokens)
+    return ("v16", {}) if query.shape[0] > VARIANTS[variant].max_seqs else (variant, params)
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, *, scale=None,
