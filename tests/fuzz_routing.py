@@ -10,7 +10,7 @@ import torch
 
 import hipkern
 from hipkern.reference import grouped_topk_ref, grouped_topk_scores_ref, moe_sorting_ref, topk_softmax_ref
-from hipkern.testing import checkAllclose, poison, poison_next_alloc
+from hipkern.testing import checkAllclose, poison
 # (tests/ is on sys.path: fuzz.py's directory)
 from test_grouped_topk import (ATOL as GT_ATOL, CONFIGS as GT_CONFIGS, RTOL as GT_RTOL, _check_near_rows, _near,
                                _noise)
@@ -20,6 +20,10 @@ TS, GT, MS = (importlib.import_module(f"hipkern.ops.{m}") for m in ("topk_softma
 DEVICE = "cuda"  # of the runs' tensors
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GUARD = 4  # poisoned elements after each out= view
+# float32 outputs are poisoned with a NaN of this payload (no GPU computes it: their NaNs are 0x7FFFFFFF or
+# 0x7FC00000), so an element left unwritten shows where the right value is NaN too (grouped_topk's renormalised
+# weights of a row whose chosen scores are all 0), which checkAllclose's equal NaNs would pass
+POISON_BITS = 0x7FF0DEAD
 # Logits: N(0, scale^2), or many exact ties (equal logits go to the lower expert in the ops and the references
 # alike): a few values (-0.0 and 0.0 among them), multiples of 1/4, rows of one value; or some -inf.
 VALUES = ("randn", "randn", "randn", "few", "grid", "equal_rows", "neg_inf")
@@ -89,9 +93,26 @@ def logits(c, g):
 def placed(shape, dtype, shift, values=None):
     """(view, buffer): a `shape` view (holding `values`) `shift` elements into a poisoned buffer, GUARD after it."""
     n = math.prod(shape)
-    buf = poison(torch.empty(shift + n + GUARD, dtype=dtype, device=DEVICE))
+    buf = _poisoned(torch.empty(shift + n + GUARD, dtype=dtype, device=DEVICE))
     view = buf[shift:shift + n].view(shape)
     return (view if values is None else view.copy_(values)), buf
+
+
+def _poisoned(t):
+    """poison(t), float32 with the NaN of POISON_BITS."""
+    return t.view(torch.int32).fill_(POISON_BITS).view(t.dtype) if t.dtype == torch.float32 else poison(t)
+
+
+def unwritten(t) -> bool:
+    """Whether float32 `t` still holds the poison's NaN somewhere."""
+    return t.dtype == torch.float32 and bool((t.view(torch.int32) == POISON_BITS).any())
+
+
+def poison_next_outputs(device, specs) -> None:
+    """poison_next_alloc with _poisoned's values: the functional call's outputs most likely come back so."""
+    torch.cuda.empty_cache()
+    junk = [_poisoned(torch.empty(shape, dtype=dt, device=device)) for shape, dt in specs]
+    del junk
 
 
 def placed_input(c, name, t):  # on the GPU, unaligned if so drawn
@@ -111,18 +132,25 @@ def run_checked(c, attempt, op, args, kw, judge):
     specs = out_specs(c)
     outs = [placed(shape, dt, c["shift"] * ("out" in c["unaligned"])) for shape, dt in specs]
     views = tuple(v for v, _ in outs)
+    inputs = [(a, a.clone()) for a in (*args, *kw.values()) if torch.is_tensor(a)]  # (the judge reads them after)
 
     def check(got):
         if any(a is not b for a, b in zip(got, views)):
             return 1.0, "the result is not out="
+        if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in inputs):
+            return 1.0, "the op changed an input"
         share, msgs = judge(*views)
+        if any(unwritten(v) for v in views):
+            msgs.append("an element of out= left unwritten (the poison's NaN)")
         for view, buf in outs:
             s = view.storage_offset()
             rest = torch.cat((buf[:s], buf[s + view.numel():]))
             if not (rest.isnan() if rest.is_floating_point() else rest == torch.iinfo(rest.dtype).min).all():
                 msgs.append("a write outside out= (into the guard elements)")
-        poison_next_alloc(views[0].device, *specs)
+        poison_next_outputs(views[0].device, specs)
         again = op(*args, **kw)
+        if any(unwritten(a) for a in again):
+            msgs.append("an element of the functional call's output left unwritten (the poison's NaN)")
         if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(views, again)):
             msgs.append("the same call again (functional) gives other bits (not deterministic)")
         return share, "; ".join(msgs)
