@@ -3,26 +3,32 @@ topk_softmax, grouped_topk and moe_sorting.
 
 Draws random *combinations* of what tests/test_paged_attention*.py, tests/test_fused_moe*.py and the routing
 ops' tests cover on grids; checks each against those tests' references and per-dtype tolerances (checkAllclose,
-tol_err_ratio 0; integer outputs exactly), writing into NaN-poisoned out= buffers.
+tol_err_ratio 0; integer outputs exactly), writing into NaN-poisoned out= buffers; the memory torch hands out next
+is poisoned before each call too (poison_free_memory), so a workspace read before it is written shows.
 
-  paged_attention: dtype, head size, block size (every power of two 1..1024), KV heads 1..8, GQA group,
-    NHD/HND, batch 1..40, context lengths mixing 0, 1, block edges, tile/partition edges, random up to
-    5000, sometimes up to 20000; a random non-contiguous block table over a pool a bit larger than
-    needed, sometimes sharing blocks between sequences, sometimes with every cache row no sequence reads
-    set to NaN; sometimes a custom scale, sometimes return_lse (checked against the reference LSE, the op's
-    own LSE tensor poisoned first); sometimes strided inputs as serving engines pass them (K / V halves of
-    one fused tensor, padded head rows, the query a slice of qkv or not 16-byte aligned, the block table
-    the first columns of a wider one: pa_cases.strided_like).
-    Each case runs variant=None and every registered variant (sometimes an alias) against one reference.
-  fused_moe: dtype (bf16/fp16, sometimes fp32), T, D, I, E, topk (sometimes up to 16), a routing pattern
-    (uniform, all tokens on the same k experts, half the experts empty, 80% of pairs on one expert), sometimes
-    an expert_map with remote experts, variant and block_m where the op accepts them, silu/gelu; then the same call
-    again must give the same bits.
+  paged_attention: dtype, head size, block size (every power of two 1..1024), KV heads 1..8, GQA group (some
+    splitting the kernels' head blocks unevenly), NHD/HND, batch 1..40 (sometimes ~4100-9000 short sequences),
+    context lengths mixing 0, 1, block edges, tile/partition edges, random up to 5000, sometimes up to 20000;
+    a random non-contiguous block table over a pool a bit larger than needed, sometimes sharing blocks
+    between sequences, sometimes with ids the op masks (-1, past the pool, int32's ends), sometimes lengths
+    past what the table addresses (clamped), sometimes with every cache row no sequence reads set to NaN;
+    sometimes a custom scale (some negative), sometimes return_lse (checked against the reference LSE),
+    sometimes out=query; sometimes strided inputs as serving engines pass them (K / V halves of one fused
+    tensor, padded head rows, the query a slice of qkv or not 16-byte aligned, the block table the first
+    columns of a wider one: pa_cases.strided_like).
+    Each case runs variant=None and every registered variant (sometimes an alias) against one reference;
+    runs of one launch (None and the variant it picks with its defaults, an alias and its variant) the same bits.
+  fused_moe: dtype (bf16/fp16, sometimes fp32), T (0..1024), D, I, E (1..1024), topk (sometimes up to 16), a
+    routing pattern (uniform, all tokens on the same k experts, half the experts empty, 80% of pairs on one
+    expert), sometimes an expert_map (remote experts, or a permutation of all), variant and block_m where the op
+    accepts them, silu/gelu, sometimes out=hidden_states; then the same call again must give the same bits.
   The routing ops (tests/fuzz_routing.py), each: tokens 0, 1, block edges, up to 4096, sometimes up to 20000;
     logits N(0, scale^2) or tie-heavy (a few values with -0.0 and 0.0, multiples of 1/4, rows of one value)
     or with -inf (a finite logit a row); sometimes the inputs and out= 1..3 elements into their buffers (not
     16-byte aligned). Each case calls the op with out= (poisoned, with poisoned guard elements after each
-    output that must stay so), then in the functional form into poisoned allocations: the same bits.
+    output that must stay so; float32 with a NaN no GPU computes, so an unwritten element shows where the
+    right value is NaN too), then in the functional form into poisoned allocations: the same bits; the inputs
+    unchanged.
   topk_softmax: fp32/fp16/bf16, E (the tests' counts or any) 1..512, topk 1..min(16, E), renormalize on/off;
     ids exactly the reference's (the op ranks the logits themselves: equal ones to the lower expert), weights
     within the test's tolerance.
@@ -61,7 +67,7 @@ import torch
 import hipkern
 from hipkern.reference import fused_moe_ref, paged_attention_ref
 from hipkern import jit
-from hipkern.testing import checkAllclose, poison, poison_next_alloc, rows_scaled
+from hipkern.testing import checkAllclose, poison, poison_free_memory, rows_scaled
 
 # The op modules (hipkern.ops' attribute `fused_moe` is the function, not its module).
 M, P = (importlib.import_module(f"hipkern.ops.{m}") for m in ("fused_moe", "paged_attention"))
@@ -73,11 +79,13 @@ from moe_cases import TOL as MOE_TOL  # noqa: E402
 from pa_cases import LSE_TOL, TOL as PA_TOL, strided_like  # noqa: E402
 import fuzz_routing as R  # noqa: E402
 PA_KV_BYTES, MOE_W_BYTES = 300 << 20, 200 << 20  # per case: the K + V pool; w1 + w2
-GROUPS = (1, 2, 3, 4, 5, 8, 16, 24, 40, 64)  # all <= P.MAX_GQA
+# all <= P.MAX_GQA; 6, 12, 20, 33: a partial last block of the CUDA-core kernels' 8 heads (and of 16 / 32)
+GROUPS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 33, 40, 64)
+BAD_IDS = (-1, -2**31, 2**31 - 1)  # block ids the op masks (besides num_blocks.. : the pool's size and past it)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 16, 16, 32, 32, 32, 64, 128, 256, 512, 1024)  # the op: powers of two <= 1024
 EDGES = (63, 64, 65, 127, 128, 129, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2049)  # tiles, partitions
-TOKENS = (1, 2, 3, 4, 5, 7, 8, 16, 31, 33, 64, 129, 300)
-EXPERTS = (1, 2, 8, 9, 64, 256, 257)
+TOKENS = (0, 1, 2, 3, 4, 5, 7, 8, 16, 31, 33, 64, 129, 300, 600, 1024)
+EXPERTS = (1, 2, 8, 9, 64, 256, 257, 600, 1024)  # the op: 1..1024
 DIMS = (64, 200, 256, 320, 1000, 2880)
 ROUTINGS = ("uniform", "same", "half_empty", "skew")
 STRIDED = ("fused_kv", "padded_rows", "qkv", "q_unaligned", "wide_table")  # pa_cases.strided_like
@@ -97,6 +105,9 @@ def draw_len(rng, bs):
 def draw_pa(rng):
     bs, hkv, d = rng.choice(BLOCK_SIZES), rng.randint(1, 8), rng.choice(P.HEAD_SIZES)
     lens, slack, trimmed = [draw_len(rng, bs) for _ in range(rng.randint(1, 40))], rng.randint(1, 8), False
+    if rng.random() < 0.03:  # thousands of short sequences: past v5's 4096, small blocks and heads (the budget)
+        bs, hkv = rng.choice(BLOCK_SIZES[:5]), rng.randint(1, 2)
+        lens = [rng.randint(0, 2 * bs + 1) for _ in range(rng.randint(P.MAX_PER_SEQUENCE_SEQS - 8, 9000))]
     pool = lambda: sum(-(-n // bs) for n in lens) * 17 // 16 + slack  # blocks: a bit more than needed
     while pool() * bs * 4 * hkv * d > PA_KV_BYTES and (len(lens) > 1 or lens[0] > 2 * bs):  # K + V budget
         trimmed, i = True, max(range(len(lens)), key=lens.__getitem__)
@@ -106,18 +117,26 @@ def draw_pa(rng):
             lens.pop()
     variants = [None] + [v for v in sorted(P.VARIANTS) if len(lens) <= P.VARIANTS[v].max_seqs]
     variants += [rng.choice(sorted(P.ALIASES))] if rng.random() < 0.1 else []
+    extra_cols = rng.choice((0, 0, 1, 3))
+    width = max(1, max(-(-n // bs) for n in lens)) + extra_cols
+    # lengths past what a table row addresses (the op clamps them): (sequence, length passed)
+    over = sorted((i, rng.choice((width * bs + rng.randint(1, 1000), 2**31 - 1)))
+                  for i in rng.sample(range(len(lens)), min(len(lens), 3))) if rng.random() < 0.1 else []
+    strided = sorted(rng.sample(STRIDED, rng.randint(1, 3))) if rng.random() < 0.3 else []
+    scale = round(rng.uniform(0.25, 3.0) / math.sqrt(d) * rng.choice((1, 1, 1, -1)), 5) if rng.random() < 0.4 else None
     return dict(dtype=rng.choice(("bfloat16", "float16")), head_size=d, block_size=bs, num_kv_heads=hkv,
                 group=rng.choice(GROUPS), layout=rng.choice(P.KV_LAYOUTS), num_blocks=pool(),
-                extra_cols=rng.choice((0, 0, 1, 3)), share=rng.choice((0.0, 0.0, 0.1, 0.5)),
-                nan_pad=rng.random() < 0.5, lse=rng.random() < 0.5, trimmed=trimmed,
-                scale=round(rng.uniform(0.25, 3.0) / math.sqrt(d), 5) if rng.random() < 0.4 else None,
-                kv_mb=round(pool() * bs * 4 * hkv * d / 2**20, 1), variants=variants, lens=lens,
-                strided=sorted(rng.sample(STRIDED, rng.randint(1, 3))) if rng.random() < 0.3 else [])
+                extra_cols=extra_cols, share=rng.choice((0.0, 0.0, 0.1, 0.5)),
+                bad_ids=rng.choice((0.0,) * 6 + (0.02, 0.2)), over=over,
+                nan_pad=rng.random() < 0.5, lse=rng.random() < 0.5, trimmed=trimmed, scale=scale,
+                kv_mb=round(pool() * bs * 4 * hkv * d / 2**20, 1), variants=variants, lens=lens, strided=strided,
+                in_place=rng.random() < 0.1 and not {"qkv", "q_unaligned"} & set(strided))  # out=query
 
 
 def pa_table(c, g):
     """int32 [batch, width] on the CPU: each sequence's blocks from one random permutation of the pool
-    (distinct, non-contiguous), tail columns any block; a share of entries redrawn (shared blocks)."""
+    (distinct, non-contiguous), tail columns any block; a share of entries redrawn (shared blocks); a share
+    (bad_ids) ids the op masks (outside [0, num_blocks))."""
     bs, nb = c["block_size"], c["num_blocks"]
     need = [-(-n // bs) for n in c["lens"]]
     bt = torch.randint(0, nb, (len(need), max(1, max(need)) + c["extra_cols"]), generator=g, dtype=torch.int32)
@@ -127,15 +146,29 @@ def pa_table(c, g):
     if c["share"]:
         mask = torch.rand(bt.shape, generator=g) < c["share"]
         bt[mask] = torch.randint(0, nb, (int(mask.sum()),), generator=g, dtype=torch.int32)
+    if c.get("bad_ids"):
+        mask = torch.rand(bt.shape, generator=g) < c["bad_ids"]
+        bad = torch.tensor(BAD_IDS + (nb, nb + 7), dtype=torch.int32)
+        bt[mask] = bad[torch.randint(0, len(bad), (int(mask.sum()),), generator=g)]
     return bt
+
+
+def passed_lens(c) -> list:
+    """The context lengths the op gets: the case's, some past the table (the op clamps them; c["over"])."""
+    lens = list(c["lens"])
+    for i, n in c.get("over", ()):
+        lens[i] = n
+    return lens
 
 
 def dead_rows(c, bt):
     """(blocks, rows) of every cache row that no sequence reads within its length."""
     bs, live = c["block_size"], torch.zeros(c["num_blocks"] * c["block_size"], dtype=torch.bool)
-    for s, n in enumerate(c["lens"]):
-        p = torch.arange(n)
-        live[bt[s, p // bs].long() * bs + p % bs] = True
+    for s, n in enumerate(passed_lens(c)):  # as the op clamps them
+        p = torch.arange(min(n, bt.shape[1] * bs))
+        blocks = bt[s, p // bs].long()
+        ok = (blocks >= 0) & (blocks < c["num_blocks"])
+        live[blocks[ok] * bs + p[ok] % bs] = True
     dead = (~live).nonzero().flatten()
     return dead // bs, dead % bs
 
@@ -151,18 +184,20 @@ def run_pa(c, seed, verbose):
         blocks, rows = (t.cuda() for t in dead_rows(c, bt))
         for t in (k, v):
             (t if c["layout"] == "NHD" else t.transpose(1, 2))[blocks, rows] = math.nan
-    bt, cl = bt.cuda(), torch.tensor(c["lens"], dtype=torch.int32, device="cuda")
+    bt, cl = bt.cuda(), torch.tensor(passed_lens(c), dtype=torch.int32, device="cuda")
     ref, ref_lse = paged_attention_ref(q, k, v, bt, cl, scale=c["scale"], kv_layout=c["layout"])
     if c.get("strided"):  # the same values through other strides (the reference read the contiguous ones)
         q, k, v, bt, cl = strided_like((q, k, v, bt, cl), c["strided"])
-    zero, results = cl == 0, []
+    zero, results, bits = cl == 0, [], {}
     for variant in c["variants"]:
-        out = poison(torch.empty_like(q))
+        query = q.clone() if c.get("in_place") else q  # out=query: the op overwrites it
+        out = query if c.get("in_place") else poison(torch.empty_like(q))
 
         def check(got):
             o, lse = got if c["lse"] else (got, None)
             if o is not out:
                 return 1.0, "the result is not out="
+            bits[variant] = o.clone()
             share, msgs = checkAllclose(*rows_scaled(o, ref), msg=f"{variant} out ", printLog=verbose,
                                         **PA_TOL[dtype]), []
             if lse is not None:
@@ -176,12 +211,26 @@ def run_pa(c, seed, verbose):
                       [(s, c["lens"][s], round(float(err[s]), 5)) for s in worst])
             return share, "; ".join(msgs)
 
-        if c["lse"]:  # the op's own LSE tensor: not the last variant's correct one, freed and handed back
-            poison_next_alloc(q.device, (q.shape[:2], torch.float32))
+        # the op's workspaces (partials) and own LSE tensor: not the last variant's correct ones, handed back
+        poison_free_memory(q.device)
         results.append(dict(variant=variant, **attempt(lambda: hipkern.paged_attention_decode(
-            q, k, v, bt, cl, scale=c["scale"], kv_layout=c["layout"], out=out, return_lse=c["lse"], variant=variant),
-            check)))
-    return results
+            query, k, v, bt, cl, scale=c["scale"], kv_layout=c["layout"], out=out, return_lse=c["lse"],
+            variant=variant), check)))
+    return results + same_launch_same_bits(bits, P.choose_variant(q, k, bt, c["layout"]))
+
+
+def same_launch_same_bits(bits, chosen) -> list:
+    """Runs of one launch must give the same bits (no unordered float atomics): variant=None and the variant the
+    database or heuristic picks (when it picks that variant's defaults), an alias and its variant."""
+    runs = collections.defaultdict(list)
+    for variant in bits:
+        launch = (chosen[0] if not chosen[1] else None) if variant is None else P.ALIASES.get(variant, variant)
+        if launch:
+            runs[launch].append(variant)
+    same = lambda a, b: torch.equal(bits[a].view(torch.int16), bits[b].view(torch.int16))
+    return [dict(variant=f"{names[0]}={other}", status="passed" if same(names[0], other) else "failed",
+                 msg="" if same(names[0], other) else "one launch, other bits")
+            for names in runs.values() for other in names[1:]]
 
 
 def validate_pa(c, seed):
@@ -189,7 +238,8 @@ def validate_pa(c, seed):
     bt = pa_table(c, torch.Generator().manual_seed(seed))
     dead_rows(c, bt)
     bs, nb, hkv, d, b = c["block_size"], c["num_blocks"], c["num_kv_heads"], c["head_size"], len(c["lens"])
-    assert 0 <= int(bt.min()) and int(bt.max()) < nb and bt.shape[1] * bs >= max(c["lens"])
+    assert (c["bad_ids"] or 0 <= int(bt.min()) and int(bt.max()) < nb) and bt.shape[1] * bs >= max(c["lens"])
+    assert all(n > bt.shape[1] * bs for _, n in c["over"])
     meta = lambda shape, dt=DT[c["dtype"]]: torch.empty(shape, dtype=dt, device="meta")
     cache, q = (nb, bs, hkv, d) if c["layout"] == "NHD" else (nb, hkv, bs, d), meta((b, hkv * c["group"], d))
     return [verdict(P._validate, q, meta(cache), meta(cache), meta(tuple(bt.shape), torch.int32),
@@ -204,7 +254,7 @@ def draw_moe(rng):
     t, e = rng.choice(TOKENS), rng.choice(EXPERTS)
     k, remote = rng.randint(1, min(9 if rng.random() < 0.8 else 16, e)), rng.random() < 0.3
     # expert_map: n_local of the E global experts on this GPU (0: all remote; w1 / w2 then hold one, unused)
-    n_local = (0 if rng.random() < 0.1 else rng.randint(1, max(1, e - 1))) if remote else e
+    n_local = (0 if (r := rng.random()) < 0.1 else e if r < 0.2 else rng.randint(1, max(1, e - 1))) if remote else e
     dim = lambda: rng.choice(DIMS) if rng.random() < 0.7 else 16 // size * rng.randint(1, 3072 * size // 16)
     for _ in range(100):  # multiples of 16 bytes; w1 + w2 within the budget (large E: small D x I)
         d, i = dim(), dim()
@@ -220,11 +270,12 @@ def draw_moe(rng):
                 remote=remote, n_local=n_local, variant=variant, block_m=rng.choice([None] + bms),
                 activation=rng.choice(sorted(M.ACTIVATIONS)),  # topk_weights normalised, else times a factor
                 weight_scale=None if rng.random() < 0.8 else round(rng.uniform(0.5, 3.0), 3),
-                w_mb=round(max(1, n_local) * 3 * d * i * size / 2**20, 1))
+                w_mb=round(max(1, n_local) * 3 * d * i * size / 2**20, 1), in_place=rng.random() < 0.1)
 
 
 def moe_routing(c, g):
-    """On the CPU: topk_weights float32 [T, k], topk_ids int32 [T, k] over the E experts, expert_map or None."""
+    """On the CPU: topk_weights float32 [T, k], topk_ids int32 [T, k] over the E experts, expert_map or None
+    (n_local of the experts local, in a random order; all of them: a permutation, no -1)."""
     t, e, k = c["tokens"], c["experts"], c["topk"]
     w = torch.rand(t, k, generator=g) + 0.1  # as the tests' routing_weights
     w = w / w.sum(dim=1, keepdim=True) if c["weight_scale"] is None else w * c["weight_scale"]
@@ -256,7 +307,11 @@ def run_moe(c, seed, verbose):
                         None if dtype == torch.float32 else dtype)
     no_pair = (emap[ids.long()] < 0).all(dim=1) if emap is not None else torch.zeros(t, dtype=torch.bool).cuda()
     kw = dict(activation=c["activation"], expert_map=emap, block_m=c["block_m"], variant=c["variant"])
-    out = poison(torch.empty_like(x))
+    # out=hidden_states (in place: the op overwrites a copy of x), else a poisoned out=
+    fresh = lambda: x.clone() if c.get("in_place") else x
+    out_for = lambda xs: xs if c.get("in_place") else poison(torch.empty_like(x))
+    xs = fresh()
+    out = out_for(xs)
 
     def check(res):
         if res is not out:
@@ -267,20 +322,27 @@ def run_moe(c, seed, verbose):
         share, msgs = checkAllclose(res.double() / s, ref / s, msg=f"{c['variant']} ", printLog=verbose,
                                     **MOE_TOL[dtype]), []
         msgs += ["a token whose pairs are all remote has a nonzero row"] if (res[no_pair] != 0).any() else []
-        again = hipkern.fused_moe(x, w1, w2, w, ids, out=poison(torch.empty_like(x)), **kw)
-        msgs += [] if torch.equal(again, res) else ["the same call again gives other bits (not deterministic)"]
+        xs2 = fresh()
+        again_out = out_for(xs2)
+        poison_free_memory(x.device)  # the workspaces: not the first call's values, handed back
+        again = hipkern.fused_moe(xs2, w1, w2, w, ids, out=again_out, **kw)
+        same = torch.equal(again.view(torch.int16 if again.element_size() == 2 else torch.int32),
+                           res.view(torch.int16 if res.element_size() == 2 else torch.int32))
+        msgs += [] if same else ["the same call again gives other bits (not deterministic)"]
         if verbose and share:
             err = (res.double() - ref).abs().nan_to_num(math.inf).amax(dim=1)
             print("    worst tokens (index, max abs err, ids):",
                   [(s, round(float(err[s]), 6), ids[s].tolist()) for s in err.argsort(descending=True)[:6].tolist()])
         return share, "; ".join(msgs)
 
-    return [dict(variant=c["variant"], **attempt(lambda: hipkern.fused_moe(x, w1, w2, w, ids, out=out, **kw), check))]
+    poison_free_memory(x.device)  # the op's workspaces (intermediate, partial sums, sorting)
+    return [dict(variant=c["variant"], **attempt(lambda: hipkern.fused_moe(xs, w1, w2, w, ids, out=out, **kw), check))]
 
 
 def validate_moe(c, seed):
     w, ids, emap = moe_routing(c, torch.Generator().manual_seed(seed))
-    assert 0 <= int(ids.min()) and int(ids.max()) < c["experts"] and ids.shape == (c["tokens"], c["topk"])
+    assert ids.shape == (c["tokens"], c["topk"]) and (not ids.numel() or 0 <= int(ids.min()) and
+                                                       int(ids.max()) < c["experts"])
     meta = lambda *shape, dt=DT[c["dtype"]]: torch.empty(shape, dtype=dt, device="meta")
     t, d, i, el, k = c["tokens"], c["model_dim"], c["inter_dim"], max(1, c["n_local"]), c["topk"]
     return [verdict(M._validate, meta(t, d), meta(el, 2 * i, d), meta(el, d, i), meta(t, k, dt=torch.float32),
@@ -404,12 +466,14 @@ def features(op, c):
         return R.features(c)
     bucket = lambda n, edges: next((f"<={e}" for e in edges if n <= e), f">{edges[-1]}")
     if op == "paged_attention":
-        keys = "dtype head_size block_size num_kv_heads group layout share nan_pad lse trimmed".split()
-        return dict({k: c[k] for k in keys}, batch=bucket(len(c["lens"]), (1, 8, 40)), strided=",".join(c["strided"]),
+        keys = "dtype head_size block_size num_kv_heads group layout share bad_ids nan_pad lse trimmed in_place".split()
+        return dict({k: c[k] for k in keys}, batch=bucket(len(c["lens"]), (1, 8, 40, 4096)), over=len(c["over"]),
+                    negative_scale=(c["scale"] or 0) < 0, strided=",".join(c["strided"]),
                     longest=bucket(max(c["lens"]), (64, 1024, 5000, 20000)), has_empty=0 in c["lens"],
                     scale=c["scale"] is not None, alias=len(c["variants"]) > 1 + len(P.VARIANTS))
-    keys = "dtype tokens experts topk routing remote variant block_m activation".split()
-    return dict({k: c[k] for k in keys}, all_remote=c["n_local"] == 0, normalised=c["weight_scale"] is None,
+    keys = "dtype tokens experts topk routing remote variant block_m activation in_place".split()
+    return dict({k: c[k] for k in keys}, all_remote=c["n_local"] == 0, map_all_local=c["remote"] and
+                c["n_local"] == c["experts"], normalised=c["weight_scale"] is None,
                 D=bucket(c["model_dim"], (64, 256, 1024, 3072)), I=bucket(c["inter_dim"], (64, 256, 1024, 3072)),
                 D_x64=c["model_dim"] % 64 == 0, I_x64=c["inter_dim"] % 64 == 0)
 
