@@ -286,8 +286,15 @@ def test_sizes_the_kernels_index_in_int32_are_checked_before_any_launch():
     big = 2**30 + 2**20  # inter_dim: 2 x inter_dim rows past 2^31
     w1 = torch.empty(1, 2 * big, 8, dtype=torch.bfloat16, device="meta")  # shapes only
     w2 = torch.empty(1, 8, big, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(ValueError, match=r"2 x inter_dim rows \(2149580800\) must be below 2\^31"):
+    with pytest.raises(ValueError, match=r"2 x inter_dim rows \(2149580800\) below 2\^31"):
         hipkern.fused_moe(x, w1, w2, w, ids)
+    # model_dim within a k-tile of 2^31 (2^31 - 8: accepted before): the tile count (dim + 511) / 512 wrapped
+    for d in (2**31 - 8, 2**30):
+        xd = torch.empty(1, d, dtype=torch.bfloat16, device="meta")
+        w1 = torch.empty(1, 16, d, dtype=torch.bfloat16, device="meta")
+        w2 = torch.empty(1, d, 8, dtype=torch.bfloat16, device="meta")
+        with pytest.raises(ValueError, match=rf"model_dim \({d}\) must be below 2\^30"):
+            hipkern.fused_moe(xd, w1, w2, w, ids)
     inter = 2**28  # fits int32, but 32 m-blocks x inter_dim / 8 columns reach 2^30
     assert not op.decode_fits(1, 1, 8, 8, inter) and op.decode_fits(1, 1, 8, 8, 2**28 - 8)
     assert op.choose_variant(1, 1, torch.bfloat16, 8, None, 8, inter) == "grouped"
@@ -312,3 +319,23 @@ def test_direct_op_calls_are_validated_before_any_launch():
         torch.ops.hipkern.fused_moe_out(x, w1, w2, w, ids, "silu", None, 0, "", out)
     torch.cuda.synchronize()
     assert bool((out == 7.0).all())
+
+
+def test_decode_is_not_refused_by_the_grouped_gemms_work_item_bound(monkeypatch):
+    """"decode" counts DECODE_MAX_PAIRS m-blocks (decode_fits checks its work items): the grouped GEMMs'
+    bound (a block an expert, E of them) refused a one-token decode call over 1024 experts and a large
+    model_dim, telling the caller to split tokens; the grouped refusal names the experts too."""
+    import importlib
+
+    op = importlib.import_module("hipkern.ops.fused_moe")
+    monkeypatch.setattr(op.jit, "current_arch", lambda d=None: "sm_90")
+    monkeypatch.setattr(op, "sm_count", lambda d: 132)
+    monkeypatch.setattr(op, "gpu_name", lambda d: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(op, "_CHOICES", {})
+    dim = 8380424
+    assert op.decode_fits(1, 1, 8, dim, 8)
+    assert op._choice(0, torch.bfloat16, 1, dim, 8, 1024, 1, 8, "decode") == ("decode", 8)
+    with pytest.raises(ValueError, match="1 routed pairs over 1024 experts .* split the tokens over calls, or the "
+                                         "experts"):
+        op._choice(0, torch.bfloat16, 1, dim, 8, 1024, 1, 8, "grouped")
+

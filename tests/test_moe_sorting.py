@@ -473,3 +473,13 @@ def test_direct_op_calls_are_validated_before_any_launch():
         torch.ops.hipkern.moe_sorting_out(ids, 256, 16, None, *small)
     torch.cuda.synchronize()
     assert all(bool((t == 7).all()) for t in small)
+
+
+@pytest.mark.gpu
+def test_lazy_id_views_are_refused_on_the_fast_path():
+    """The argument check's fast path (a contiguous int32 CUDA tensor, nothing else given) refuses a lazily negated
+    or zero tensor as the full check does: its bytes are not its values."""
+    ids = torch.randint(0, 8, (4, 2), dtype=torch.int32, device="cuda")
+    for lazy in (torch._neg_view(ids), torch._efficientzerotensor((4, 2), dtype=torch.int32, device="cuda")):
+        with pytest.raises(ValueError, match="topk_ids must hold its values in memory"):
+            hipkern.moe_sorting(lazy, 8, 4)

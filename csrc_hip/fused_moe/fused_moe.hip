@@ -232,7 +232,7 @@ enum Variant { kGrouped = 0, kDecode = 1, kGemv = 2, kGemvMma = 3 };
 // Bytes of hk_fused_moe's `inter` for this shape and variant (InterLayout).
 HK_EXPORT int hk_fused_moe_inter_bytes(int num_tokens, int topk, int dim, int inter_dim, int variant,
                                        int64_t* bytes) {
-  HK_REQUIRE(num_tokens >= 0 && topk >= 1 && dim >= 1 && inter_dim >= 1);
+  HK_REQUIRE(num_tokens >= 0 && topk >= 1 && dim >= 1 && inter_dim >= 1 && dim < (1 << 30) && inter_dim < (1 << 30));
   *bytes = InterLayout(num_tokens, (int64_t)num_tokens * topk, dim, inter_dim, kPreSplit && variant == kGrouped).bytes;
   return 0;
 }
@@ -310,6 +310,7 @@ HK_EXPORT int hk_fused_moe(const void* x, const void* w1, const void* w2, const 
   HK_REQUIRE(num_tokens >= 0 && topk >= 1 && (int64_t)num_tokens * topk < (1ll << 30));
   HK_REQUIRE(num_experts >= 1 && num_local_experts >= 1);
   HK_REQUIRE(dim >= kVec && dim % kVec == 0 && inter_dim >= kVec && inter_dim % kVec == 0);
+  HK_REQUIRE(dim < (1 << 30) && inter_dim < (1 << 30));  // tile counts are rounded up from them in int
   HK_REQUIRE(activation == hk::fused_moe::kSilu || activation == hk::fused_moe::kGelu);
   const bool gemv = variant == kGemv || (variant == kGemvMma && sizeof(T) == 2);
   HK_REQUIRE(variant == kGrouped || (variant == kDecode && kHasDecode) || gemv);

@@ -213,8 +213,9 @@ def _validate(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_
     vec = _row_elems(hidden_states.dtype)
     if dim < 1:
         raise ValueError(f"hidden_states must have at least one column (model_dim), got shape {tuple(hidden_states.shape)}")
-    if dim >= 2**31 or two_i >= 2**31:  # the kernels' int32 sizes and row indices (2 x inter_dim rows of w1)
-        raise ValueError(f"model_dim ({dim}) and w1's 2 x inter_dim rows ({two_i}) must be below 2^31")
+    # the kernels' int32 sizes and row indices (2 x inter_dim rows of w1), and the tile counts rounded up from them
+    if dim >= 2**30 or two_i >= 2**31:
+        raise ValueError(f"model_dim ({dim}) must be below 2^30 and w1's 2 x inter_dim rows ({two_i}) below 2^31")
     if dim % vec or inter % vec:
         raise ValueError(f"model_dim ({dim}, hidden_states' columns) and inter_dim ({inter}, half of w1's rows) must "
                          f"be multiples of {vec} for {DTYPE_NAMES[dtype]} (16-byte rows)")
@@ -322,15 +323,16 @@ def _choice(dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, vari
     """(variant, block_m) of a call on GPU `dev`, its int32 work-item count checked; memoised in _CHOICES."""
     def make():
         v, bm = launch_choice(dev, num_tokens, dim, inter, num_experts, topk, dtype, block_m, variant)
-        if v not in GEMV_VARIANTS:  # the GEMMs count their work items (m-blocks x column tiles) in int32
+        if v == VARIANT:  # the GEMMs count their work items (m-blocks x column tiles) in int32
             pairs = num_tokens * topk
             # at most one partial block an expert; routing in the blocks counts a block a pair (decode's own
             # count, DECODE_MAX_PAIRS m-blocks whatever the call, is decode_fits', which every path that gives
             # "decode" has asked)
             mblocks = max(min(pairs, ROUTE_MAX_PAIRS), -(-pairs // bm) + num_experts)
             if mblocks * -(-max(dim, inter) // 8) >= 2**30:
-                raise ValueError(f"fused_moe: {pairs} routed pairs over model_dim {dim} / inter_dim {inter} are more "
-                                 f"work items than int32 indexing allows at block_m {bm}; split the tokens over calls")
+                raise ValueError(f"fused_moe: {pairs} routed pairs over {num_experts} experts (up to {mblocks} "
+                                 f"blocks of {bm} rows) x model_dim {dim} / inter_dim {inter} are more work items "
+                                 f"than int32 indexing allows; split the tokens over calls, or the experts")
         return v, bm
     key = (dev, dtype, num_tokens, dim, inter, num_experts, topk, block_m, variant, launch_choice, *choice_inputs())
     return memo(_CHOICES, key, make)
@@ -391,6 +393,7 @@ def _launch(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_ma
     if hidden_states.shape[0] == 0:
         return
     check_aligned(16, hidden_states=hidden_states, w1=w1, w2=w2, out=out)  # (16-byte vector loads)
+    check_aligned(topk_weights=topk_weights, topk_ids=topk_ids, expert_map=expert_map)
     # Blocks write out while others still read the inputs: out may be hidden_states itself (every variant
     # has read all of it before the first output is written), nothing else.
     inputs = dict(w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
@@ -450,7 +453,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
     Args:
         hidden_states: [T, D] float32, bfloat16 or float16, contiguous on the GPU (T may be 0).
         w1: [E, 2 * I, D], the gate rows then the up rows of each expert; same dtype, contiguous.
-        w2: [E, D, I]; same dtype, contiguous. D and I must be multiples of 8 (16-bit) or 4 (float32).
+        w2: [E, D, I]; same dtype, contiguous. D and I must be multiples of 8 (16-bit) or 4 (float32); D < 2^30.
         topk_weights: float32 [T, k]. topk_ids: int32 [T, k] (both contiguous), ids in [0, E) (E: expert_map's length
             when given, else w1's first dim; 1 <= E <= 1024). Ids outside it are dropped without validate
             (undefined but in-bounds). T x k + 128 E must stay under about 2^30 (int32 indices).
@@ -493,7 +496,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
               block_m, out, variant)
     if validate:
         # moe_sorting's checks, with expert_map's local indices below w1's experts (syncs with the device)
-        _sorting._check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0], "w1's first dim")
+        _sorting._check_values(topk_ids, _routed_experts(w1, expert_map), expert_map, w1.shape[0], "w1's first dim",
+                               "expert_map's length" if expert_map is not None else "w1's first dim")
     bm = block_m or 0
     if torch.compiler.is_compiling():  # traced: the registered ops (eager skips the dispatcher)
         if out is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (as_bool, as_int, check_aligned, check_bool, check_device, check_int, check_outputs_apart,
+from ._common import (_lazy, as_bool, as_int, check_aligned, check_bool, check_device, check_int, check_outputs_apart,
                       check_tensor, host_check, impl_checked, lib, module_for, on_device, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
@@ -43,7 +43,8 @@ def _validate(topk_ids, num_experts, block_m, expert_map, out=None) -> None:
     if (out is None and expert_map is None and type(topk_ids) is torch.Tensor and topk_ids.is_cuda
             and topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.is_contiguous()
             and type(num_experts) is int and type(block_m) is int and 1 <= num_experts <= MAX_EXPERTS
-            and 1 <= block_m <= MAX_BLOCK_M and topk_ids.numel() < 2**30):
+            and 1 <= block_m <= MAX_BLOCK_M and topk_ids.numel() < 2**30
+            and (torch.compiler.is_compiling() or not _lazy(topk_ids))):  # (check_tensor's rule)
         return
     # Device checks last, so that every other argument error shows on any device.
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), gpu=False)
@@ -70,13 +71,15 @@ def _validate(topk_ids, num_experts, block_m, expert_map, out=None) -> None:
 
 
 @host_check
-def _check_values(topk_ids, num_experts, expert_map, num_local=None, local_bound="num_experts") -> None:
+def _check_values(topk_ids, num_experts, expert_map, num_local=None, local_bound="num_experts",
+                  bound="num_experts") -> None:
     """validate=True: ids in [0, E), and expert_map's values -1 or a local index in [0, num_local) (num_local
-    defaults to E: the local experts are some of the E), at the cost of a device sync."""
+    defaults to E: the local experts are some of the E), at the cost of a device sync. `bound` and `local_bound`
+    say what E and num_local are, in the caller's arguments."""
     if topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts), found values in [{lo}, {hi}]")
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}) ({bound}), found values in [{lo}, {hi}]")
     if expert_map is None or not expert_map.numel():
         return
     num_local = num_experts if num_local is None else num_local
