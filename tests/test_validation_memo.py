@@ -134,6 +134,32 @@ def test_addresses_not_aligned_to_elements_are_refused_at_launch():
     _common.check_aligned(a=torch.randn(8)[1:], b=None)  # an element offset is fine
 
 
+def test_fused_moe_and_paged_attention_refuse_small_inputs_not_aligned_to_elements(monkeypatch):
+    """fused_moe's routing inputs (which it sorts itself, past moe_sorting's own launch check) and paged
+    attention's query, tables and lengths: refused by name at launch, before anything runs."""
+    from hipkern.ops import fused_moe as FM, paged_attention as PA
+
+    monkeypatch.setattr(FM, "on_device", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(PA, "module_for", lambda *a, **k: pytest.fail("launched"))
+    odd = lambda n, dt, at: torch.frombuffer(bytearray(4 * n + 8), dtype=dt, offset=at, count=n)
+    x, w1, w2 = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(8, 64, 64, dtype=torch.bfloat16), \
+        torch.zeros(8, 64, 32, dtype=torch.bfloat16)
+    tw, ids = torch.full((4, 2), 0.5), torch.zeros(4, 2, dtype=torch.int32)
+    for name, args in (("topk_weights", (odd(8, torch.float32, 2).view(4, 2), ids, None)),
+                       ("topk_ids", (tw, odd(8, torch.int32, 1).view(4, 2), None)),
+                       ("expert_map", (tw, ids, odd(8, torch.int32, 3)))):
+        with pytest.raises(ValueError, match=f"{name} must start at an address aligned to its 4-byte elements"):
+            FM._launch(x, w1, w2, args[0], args[1], "silu", args[2], 0, "", torch.empty_like(x))
+    q, kv = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    bt, cl, lse = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32), torch.empty(2, 4)
+    for name, args in (("query", (odd(512, torch.bfloat16, 1).view(2, 4, 64), bt, cl, lse)),
+                       ("block_tables", (q, odd(6, torch.int32, 2).view(2, 3), cl, lse)),
+                       ("context_lens", (q, bt, odd(2, torch.int32, 1), lse)),
+                       ("lse", (q, bt, cl, odd(8, torch.float32, 2).view(2, 4)))):
+        with pytest.raises(ValueError, match=f"{name} must start at an address aligned to its"):
+            PA._launch_here(args[0], kv, kv, args[1], args[2], 0.1, "NHD", "", torch.empty_like(q), args[3])
+
+
 def test_check_tensor_traces_under_torch_compile_fullgraph():
     """The ops validate inside their Python wrappers, which torch.compile traces: dynamo cannot ask a tensor for
     its lazy bits (is_neg, _is_zerotensor), so check_tensor leaves that to the untraced fake and real

@@ -101,6 +101,9 @@ HK_EXPORT int hk_paged_attention_decode(
   HK_REQUIRE(num_partitions == 1 || (part_o && part_ml));
   HK_REQUIRE(split_target >= 0 && num_seqs + split_target <= 65535);
   HK_REQUIRE(split_target == 0 || (kernel >= 1 && part_o && part_ml && seq_parts));
+  // a uniform split covers what a table row addresses (the merge reads ceil(length / partition_size) partials)
+  HK_REQUIRE(split_target > 0 ||
+             (int64_t)num_partitions * partition_size >= ((int64_t)max_blocks_per_seq << block_size_log2));
   HK_TRY(hk::use_device(device));
   const Params p{q, q_stride_s, q_stride_h, k, v, kv_stride_block, kv_stride_tok, kv_stride_head,
                  block_tables, bt_stride, context_lens, out, lse, part_o, part_ml, num_q_heads,

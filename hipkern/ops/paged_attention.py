@@ -436,6 +436,7 @@ def _launch_here(query, key_cache, value_cache, block_tables, context_lens, scal
     # here, not in _validate: data pointers do not exist while tracing; out is written 4 elements at a time
     check_aligned(16, key_cache=key_cache, value_cache=value_cache)
     check_aligned(4 * out.element_size(), out=out)
+    check_aligned(query=query, block_tables=block_tables, context_lens=context_lens, lse=lse if lse.numel() else None)
     # Blocks write their heads' output rows while others still read: out may be query itself, nothing else;
     # lse (when asked for) overlaps nothing.
     check_no_overlap("out", out, "query", query=query, key_cache=key_cache, value_cache=value_cache,
