@@ -116,6 +116,36 @@ def test_non_strided_tensors_are_refused_by_name():
             _common.check_tensor("logits", t, ndim=2, gpu=False)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested and CSR tensors are prototype / beta
+def test_the_routing_ops_fast_paths_take_only_plain_tensors(monkeypatch):
+    """Each routing op's argument fast path (a contiguous GPU tensor of the right dtype, nothing else given) leaves
+    lazily negated or zero views and non-strided tensors to check_tensor, which refuses them by name (a negated view
+    was ranked by its bytes, a nested one raised a torch RuntimeError). Run on the CPU with tensors that say they are
+    on a GPU: the fast paths' own test."""
+    from hipkern.ops import grouped_topk as GT, moe_sorting as MS, topk_softmax as TS
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x, ids = torch.randn(4, 8), torch.randint(0, 8, (4, 2), dtype=torch.int32)
+    TS._validate(x, 2, True)  # plain ones take the fast path (no device check fails)
+    GT._validate(x, torch.zeros(8), 2, 2, 1, "sigmoid", True, 1.0, "top2")
+    MS._validate(ids, 8, 4, None)
+    lazy = lambda t: (torch._neg_view(t), torch._efficientzerotensor(t.shape, dtype=t.dtype))
+    for bad in lazy(x):
+        with pytest.raises(ValueError, match="gating_logits must hold its values in memory"):
+            TS._validate(bad, 2, True)
+        with pytest.raises(ValueError, match="gating_logits must hold its values in memory"):
+            GT._validate(bad, None, 2, 2, 1, "sigmoid", True, 1.0, "top2")
+    for bad in lazy(torch.zeros(8)):
+        with pytest.raises(ValueError, match="correction_bias must hold its values in memory"):
+            GT._validate(x, bad, 2, 2, 1, "sigmoid", True, 1.0, "top2")
+    for bad in lazy(ids):
+        with pytest.raises(ValueError, match="topk_ids must hold its values in memory"):
+            MS._validate(bad, 8, 4, None)
+    for bad in (torch.nested.nested_tensor([torch.zeros(8)] * 2), x.to_sparse_csr()):
+        with pytest.raises(ValueError, match="gating_logits must be a dense"):
+            TS._validate(bad, 2, True)
+
+
 def test_addresses_not_aligned_to_elements_are_refused_at_launch():
     """A view into a byte buffer at an odd offset passes every check of shapes and strides, but the kernels cannot
     load or store its elements: the routing ops' launches refuse it by name before anything runs."""

@@ -124,6 +124,14 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, shape=No
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
 
 
+def plain_cuda(t) -> bool:
+    """Whether `t` is a dense torch.Tensor on a GPU whose bytes are its values (no lazy bit): what the ops' argument
+    fast paths take; anything else goes through check_tensor, which says what is wrong (the lazy bits are left to
+    the untraced implementations while compiling, as there)."""
+    return (type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested and t.is_cuda
+            and (torch.compiler.is_compiling() or not _lazy(t)))
+
+
 def _lazy(t: torch.Tensor) -> bool:
     """A view whose values are not its bytes: a lazy negation or conjugation bit, or a zero tensor."""
     return t.is_neg() or t.is_conj() or t._is_zerotensor()

@@ -6,7 +6,7 @@ import torch
 
 from ._common import (DTYPE_NAMES, as_bool, as_float, as_int, check_aligned, check_bool, check_device, check_int,
                       check_routing_apart, check_routing_out, check_tensor, impl_checked, is_float32, lib, module_for,
-                      on_device, raw_stream)
+                      on_device, plain_cuda, raw_stream)
 
 __all__ = ["grouped_topk", "GROUP_SCORINGS", "MAX_EXPERTS", "MAX_TOPK", "MAX_GROUPS", "SCORINGS"]
 
@@ -31,7 +31,7 @@ def _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group
               routed_scaling_factor, group_scoring="top2", out=None) -> None:
     # Fast path for the common valid call; anything else takes the checks below, which name the
     # offending argument.
-    if (out is None and type(gating_logits) is torch.Tensor and gating_logits.is_cuda and gating_logits.dim() == 2
+    if (out is None and plain_cuda(gating_logits) and gating_logits.dim() == 2
             and gating_logits.dtype in _DTYPES and gating_logits.is_contiguous()
             and type(topk) is int and type(num_expert_group) is int and type(topk_group) is int
             and 1 <= num_expert_group <= MAX_GROUPS and 1 <= topk_group <= num_expert_group
@@ -41,7 +41,7 @@ def _validate(gating_logits, correction_bias, topk, num_expert_group, topk_group
         num_experts = gating_logits.shape[1]
         if (num_experts <= MAX_EXPERTS and num_experts % num_expert_group == 0
                 and 1 <= topk <= min(MAX_TOPK, topk_group * (num_experts // num_expert_group))
-                and (correction_bias is None or (type(correction_bias) is torch.Tensor
+                and (correction_bias is None or (plain_cuda(correction_bias)
                                                  and correction_bias.dtype == torch.float32
                                                  and correction_bias.shape == (num_experts,)
                                                  and correction_bias.is_contiguous()

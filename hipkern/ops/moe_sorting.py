@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (_lazy, as_bool, as_int, check_aligned, check_bool, check_device, check_int, check_outputs_apart,
-                      check_tensor, host_check, impl_checked, lib, module_for, on_device, raw_stream)
+from ._common import (as_bool, as_int, check_aligned, check_bool, check_device, check_int, check_outputs_apart,
+                      check_tensor, host_check, impl_checked, lib, module_for, on_device, plain_cuda, raw_stream)
 
 __all__ = ["moe_sorting", "moe_sorting_max_padded", "MAX_EXPERTS", "MAX_BLOCK_M"]
 
@@ -40,11 +40,10 @@ def _max_padded(num_pairs, num_experts, block_m):  # unchecked: the op's own (po
 def _validate(topk_ids, num_experts, block_m, expert_map, out=None) -> None:
     # Fast path for the common valid call; anything else takes the checks below, which name the
     # offending argument.
-    if (out is None and expert_map is None and type(topk_ids) is torch.Tensor and topk_ids.is_cuda
+    if (out is None and expert_map is None and plain_cuda(topk_ids)
             and topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.is_contiguous()
             and type(num_experts) is int and type(block_m) is int and 1 <= num_experts <= MAX_EXPERTS
-            and 1 <= block_m <= MAX_BLOCK_M and topk_ids.numel() < 2**30
-            and (torch.compiler.is_compiling() or not _lazy(topk_ids))):  # (check_tensor's rule)
+            and 1 <= block_m <= MAX_BLOCK_M and topk_ids.numel() < 2**30):
         return
     # Device checks last, so that every other argument error shows on any device.
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), gpu=False)

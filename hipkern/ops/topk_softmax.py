@@ -5,7 +5,7 @@ import torch
 
 from ._common import (DTYPE_NAMES, as_bool, as_int, check_aligned, check_bool, check_device, check_int,
                       check_routing_apart, check_routing_out, check_tensor, impl_checked, lib, module_for, on_device,
-                      raw_stream)
+                      plain_cuda, raw_stream)
 
 __all__ = ["topk_softmax", "MAX_EXPERTS", "MAX_TOPK"]
 
@@ -23,7 +23,7 @@ _DTYPES = frozenset(DTYPE_NAMES)
 def _validate(gating_logits, topk, renormalize, out=None) -> None:
     # Fast path for the common valid call; anything else takes the checks below, which name the
     # offending argument.
-    if (out is None and type(gating_logits) is torch.Tensor and gating_logits.is_cuda
+    if (out is None and plain_cuda(gating_logits)
             and gating_logits.dtype in _DTYPES and gating_logits.dim() == 2 and type(topk) is int
             and type(renormalize) is bool and 1 <= topk <= MAX_TOPK and topk <= gating_logits.shape[1] <= MAX_EXPERTS
             and gating_logits.is_contiguous()):
