@@ -83,8 +83,10 @@ def grouped_topk_ref(gating_logits, correction_bias, topk, num_expert_group, top
     kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
     group_mask = torch.zeros(t, num_expert_group, dtype=torch.bool, device=b.device).scatter_(1, kept, True)
     expert_mask = group_mask.repeat_interleave(e // num_expert_group, dim=1)
-    masked = b.masked_fill(~expert_mask, float("-inf"))
-    ids = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :topk]
+    # the kept groups' experts first, each part by b (a kept expert of b = -inf still before every dropped one)
+    order = torch.sort(b, dim=-1, descending=True, stable=True).indices
+    kept_first = torch.sort(expert_mask.gather(1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+    ids = order.gather(1, kept_first)[:, :topk]
     weights = s.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -384,6 +384,32 @@ def test_bad_arguments_raise_value_error(args, kwargs, match):
         hipkern.grouped_topk(*args, **kwargs)
 
 
+def test_reference_keeps_a_kept_group_s_masked_expert_before_dropped_groups():
+    """A bias of -inf (an expert masked out) in a kept group: topk reaches it, and it still comes before every expert
+    of the dropped groups (the reference masked those to -inf too, and its stable sort took the lower index, in a
+    dropped group)."""
+    inf = float("inf")
+    x, bias = torch.zeros(1, 6), torch.tensor([-inf, -inf, -inf, 0.0, 0.0, -inf])
+    w, ids = grouped_topk_ref(x, bias, 3, 2, 1)  # groups {0, 1, 2} (score -inf) and {3, 4, 5} (kept)
+    assert ids.tolist() == [[3, 4, 5]] and torch.allclose(w, torch.full((1, 3), 1 / 3))
+
+
+@pytest.mark.gpu
+def test_masked_experts_in_kept_groups():
+    """Correction biases of -inf (experts masked out) beside finite ones: the op picks within the kept groups as the
+    reference does, a masked expert of a kept group before any of a dropped group."""
+    inf = float("inf")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)).cuda()
+    bias = torch.zeros(16)
+    bias[[0, 1, 2, 5, 9, 10, 11, 14, 15]] = -inf  # groups of 4: {3}, {4, 6, 7}, {8}, {12, 13} finite
+    bias = bias.cuda()
+    for k, tg in ((3, 1), (4, 2), (6, 2)):
+        w, ids = hipkern.grouped_topk(x, bias, k, 4, tg)
+        ref_w, ref_ids = grouped_topk_ref(x, bias, k, 4, tg)
+        assert torch.equal(ids, ref_ids.cuda()), (k, tg)
+        assert checkAllclose(w, ref_w.cuda(), rtol=RTOL, atol=ATOL) == 0
+
+
 def test_reference_on_a_hand_computed_case():
     # Sigmoid scores: groups of 2 sum to g0 1.453, g1 1.462, g2 1.000, g3 1.762: g3 and g1 are kept, so
     # expert 4 (the best single score) is not chosen; 6 and 7 tie (6 first), then 2 before 3.
