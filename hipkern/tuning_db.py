@@ -96,7 +96,7 @@ class Choice:
 
 def bucket(n: int) -> int:
     """The power-of-two bucket of a size: the smallest power of two >= n (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+    return 1 if n <= 1 else 1 << (math.ceil(n) - 1).bit_length()
 
 
 def positive_ints(row: dict, keys) -> str | None:
@@ -326,7 +326,7 @@ def lookup(op: str, arch: str, cu_count: int, *, device_name: str = "", **shape)
     """The tuned choice for `shape` (exact keys and bucket keys of the op's schema, buckets already
     bucketed) on a GPU of `arch`, `cu_count` and name `device_name` (torch.cuda.get_device_name; "":
     unknown, only rows without a device are exact), or None for the heuristic default. Memoised per shape."""
-    memo_key = (op, arch, cu_count, device_name, *shape.values())  # the raw values: a hit costs one dict get
+    memo_key = (op, arch, cu_count, device_name, *shape.items())  # names and raw values: a hit costs one dict get
     while True:
         hit = _memo.get(memo_key, _MISS)
         if hit is not _MISS:

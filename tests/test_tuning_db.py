@@ -48,6 +48,17 @@ def find(batch=8, context=2048, cu=132, device="", **shape):
 
 def test_bucket():
     assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+    assert [bucket(n) for n in (0.5, 2.5, 4.0)] == [1, 4, 4]  # the smallest power of two >= n
+
+
+def test_the_memo_tells_shapes_apart_by_key_name(shipped):
+    """Two lookups of the same values under other names (or in another keyword order) are other shapes: the memo
+    keyed the values alone, and served the first one's choice to the second."""
+    write(shipped, [row("a", 8, 2048), row("b", 2048, 8)])
+    assert lookup("toyop", "sm_90", 132, **SHAPE, context=8, batch=2048).variant == "b"
+    assert lookup("toyop", "sm_90", 132, **SHAPE, batch=8, context=2048).variant == "a"
+    assert lookup("toyop", "sm_90", 132, **SHAPE, context=8, batch=2048).variant == "b"
+    assert lookup("toyop", "sm_90", 132, **SHAPE, batch=2048, context=8).variant == "b"
 
 
 def test_exact_row_and_params(shipped):
