@@ -28,7 +28,7 @@ def select(only) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hipkern.build", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", action="append", help="target arch (repeatable); default: this GPU's")
+    ap.add_argument("--arch", action="append", help="target arch (repeatable); default: HIPKERN_ARCH, else this GPU's")
     ap.add_argument("--only", action="append",
                     help="build only the modules whose name contains this (repeatable: any of them)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")

@@ -456,7 +456,9 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
         w2: [E, D, I]; same dtype, contiguous. D and I must be multiples of 8 (16-bit) or 4 (float32); D < 2^30.
         topk_weights: float32 [T, k]. topk_ids: int32 [T, k] (both contiguous), ids in [0, E) (E: expert_map's length
             when given, else w1's first dim; 1 <= E <= 1024). Ids outside it are dropped without validate
-            (undefined but in-bounds). T x k + 128 E must stay under about 2^30 (int32 indices).
+            (undefined but in-bounds). T x k + 128 E must stay under about 2^30 (int32 indices), and the
+            grouped GEMMs' work items too (m-blocks of up to T x k / block_m + E, times max(D, I) / 8):
+            a call past either is refused, naming both.
         activation: "silu" or "gelu" (exact erf form).
         expert_map: optional contiguous int32 [E_global] for expert parallelism: each expert's index into w1/w2
             (whose first dim is then the local expert count), or -1 for experts on other GPUs, whose
@@ -475,7 +477,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, t
             the tuning database's choice for this shape (choose_config), else default_block_m.
         variant: "grouped" (moe_sorting, two grouped GEMMs, a combine; up to 256 routed pairs the GEMMs
             group the pairs by expert themselves, no moe_sorting launch), "decode" (the same in one
-            launch; at most DECODE_MAX_PAIRS routed pairs), "gemv" (two matrix-vector launches that
+            launch; at most DECODE_MAX_PAIRS routed pairs, block_m up to 64), "gemv" (two matrix-vector launches that
             stream the weights into registers; at most GEMV_MAX_PAIRS routed pairs, pairs x inter_dim
             under GEMV_MAX_GATED_BLOCKS and tokens x model_dim under GEMV_MAX_DOWN_UNITS (gemv_fits);
             block_m does not change it), "gemv_mma" (the same with each expert's pairs computed together on matrix

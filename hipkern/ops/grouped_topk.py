@@ -198,7 +198,8 @@ def grouped_topk(gating_logits: torch.Tensor, correction_bias: torch.Tensor | No
         (weights float32 [num_tokens, topk], ids int32 [num_tokens, topk]) in order of decreasing b
         (`out` itself when given). num_tokens == 0 gives empty tensors. Logits must not be NaN (NaN
         gives unspecified, but in-range, ids); with renormalize, a token whose chosen scores are all
-        0 in float32 (logits of -inf; with sigmoid scoring also logits below about -88) gets NaN weights.
+        0 in float32 (logits of -inf, or finite ones whose float32 score underflows: sigmoid logits below
+        about -88, softmax logits some 100 or more below the row's largest) gets NaN weights.
     """
     topk, num_expert_group, topk_group = as_int(topk), as_int(num_expert_group), as_int(topk_group)
     routed_scaling_factor, renormalize = as_float(routed_scaling_factor), as_bool(renormalize)
