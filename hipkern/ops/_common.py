@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
@@ -89,7 +88,7 @@ def _arguments_key(check, tensors: tuple, scalars: tuple) -> tuple | None:
 def choice_inputs() -> tuple:
     """What a tuning-database choice reads besides the call's shapes: the database's generation (bumped by
     tuning_db.reset()) and HIPKERN_ARCH; part of every memoised launch plan's key."""
-    return tuning_db.generation(), os.environ.get("HIPKERN_ARCH")
+    return tuning_db.generation(), jit.platform.arch_env()
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,7 +282,7 @@ _modules: dict = {}
 
 def _module_key(family: str, device_index: int, params: dict) -> tuple:
     # HIPKERN_ARCH picks the arch (load_arch): a module loaded under another value is another arch's
-    return (family, device_index, os.environ.get("HIPKERN_ARCH"), *sorted(params.items()))
+    return (family, device_index, jit.platform.arch_env(), *sorted(params.items()))
 
 
 def module_for(family: str, device_index: int, **params) -> jit.Module:
