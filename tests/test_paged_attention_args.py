@@ -105,7 +105,10 @@ def test_a_variant_that_cannot_run_the_head_size_is_refused_while_tracing(monkey
     """v16/v5 at head size 256 on CDNA: refused by the validation (so by the fake, as torch.compile traces), not
     only at the launch, after out was allocated and the module built."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from hipkern import jit
 
+    gpu = ["gfx942"]  # the arch of "GPU 0"
+    monkeypatch.setattr(jit.platform, "_device_arch", lambda index: gpu[0])
     monkeypatch.setenv("HIPKERN_ARCH", "gfx942")
     with FakeTensorMode():
         q = torch.empty(2, 8, 256, dtype=torch.bfloat16, device="cuda")
@@ -117,7 +120,14 @@ def test_a_variant_that_cannot_run_the_head_size_is_refused_while_tracing(monkey
                 torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", variant, out, lse)
         for variant in ("v3", "v9", "v6", ""):  # these run it
             torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", variant, out, lse)
-        monkeypatch.setenv("HIPKERN_ARCH", "sm_90")
+        monkeypatch.delenv("HIPKERN_ARCH")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for variant in ("v16", "v5"):  # the GPU's own arch, without HIPKERN_ARCH
+            with pytest.raises(ValueError, match="supports head sizes 64 and 128 on this GPU"):
+                torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", variant, out, lse)
+        gpu[0] = "sm_90"
+        torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", "v16", out, lse)
+        monkeypatch.setenv("HIPKERN_ARCH", "gfx942")  # code this GPU cannot run: the module load says so, at launch
         torch.ops.hipkern.paged_attention_decode(q, k, k, bt, cl, 0.1, "NHD", "v16", out, lse)
 
 

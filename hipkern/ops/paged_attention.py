@@ -401,19 +401,24 @@ def _validate(query, key_cache, value_cache, block_tables, context_lens, scale, 
         tensors["out"] = out
     check_tensor("query", query, contiguous=False)
     check_device(dev, **tensors)
-    if variant is not None:  # before any allocation or build (and while tracing)
+
+
+def _check_variant_runs(query, variant) -> None:
+    """A variant asked for must run query's head size on the arch the op builds for: checked before any allocation
+    or build (and while tracing; not in _validate, whose memo does not key on the arch). Where no arch can be known
+    yet (fake tensors without a GPU) or HIPKERN_ARCH names one the GPU cannot run, the launch's module load says so."""
+    if variant and query.shape[-1] == 256:  # (kernel_runs: only head size 256 is refused anywhere)
         try:
-            arch = jit.current_arch(query.get_device())
-        except jit.JitError:  # no arch to build for (fake tensors without a GPU): the launch checks its module's
-            arch = None
-        if arch:
-            _check_runs(VARIANTS[variant], head_size, jit.wave_size_of(arch))
+            arch = jit.platform.load_arch(query.get_device())
+        except jit.JitError:
+            return
+        _check_runs(VARIANTS[variant], query.shape[-1], jit.wave_size_of(arch))
 
 
 def _check_runs(var: Variant, head_size: int, wave_size: int) -> None:
     if not kernel_runs(var, head_size, wave_size):
         raise ValueError(f"variant {var.name} supports head sizes 64 and 128 on this GPU (CDNA: its K/V tiles of head "
-                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3 or v9")
+                         f"size 256 do not fit 64 KB of LDS); got head size 256: use variant v3, v9 or v6")
 
 
 _VALID: dict = {}  # argument sets that passed _validate (_common.validated)
@@ -518,6 +523,7 @@ def _check_direct(query, key_cache, value_cache, block_tables, context_lens, sca
     the variant with its alias mapped."""
     variant = ALIASES.get(variant, variant)
     _validate(query, key_cache, value_cache, block_tables, context_lens, scale, kv_layout, out, True, variant or None)
+    _check_variant_runs(query, variant)
     if lse.numel():
         check_tensor("lse", lse, dtypes=(torch.float32,), shape=tuple(query.shape[:2]))
         check_device(query.device, lse=lse)
@@ -621,6 +627,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     validated(_VALID, _validate, (query, key_cache, value_cache, block_tables, context_lens, out),
               (scale, kv_layout, return_lse, variant), query, key_cache, value_cache, block_tables, context_lens,
               scale, kv_layout, out, return_lse, variant)
+    _check_variant_runs(query, variant)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     variant = variant or ""
     if out is None:
