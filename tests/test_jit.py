@@ -220,6 +220,17 @@ def test_an_arch_the_gpu_cannot_run_is_refused_before_a_build(monkeypatch):
     assert jit.platform.load_arch(0) == "sm_80"  # sm_80 modules on an H100: through their PTX
 
 
+def test_arch_env_reads_what_os_environ_holds(monkeypatch):
+    """arch_env (the per-launch read of HIPKERN_ARCH) agrees with os.environ as it changes."""
+    import os
+    for value in ("gfx942", "", "sm_90a", None):
+        if value is None:
+            monkeypatch.delenv("HIPKERN_ARCH", raising=False)
+        else:
+            monkeypatch.setenv("HIPKERN_ARCH", value)
+        assert jit.platform.arch_env() == os.environ.get("HIPKERN_ARCH") == value
+
+
 def test_modules_are_cached_per_arch(monkeypatch):
     """HIPKERN_ARCH changed after a first call: the op loads the new arch's module (checked against the GPU), not
     the module of the arch loaded before, whose choices the plans would no longer match."""
