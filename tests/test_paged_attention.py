@@ -416,11 +416,16 @@ def test_validation_is_memoised_by_what_it_reads(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_torch_compile():
-    q, k, v, bt, cl = make_case([100, 900], num_kv_heads=2, group=4)
+@pytest.mark.parametrize("variant,head_size", [(None, 128), ("v16", 256), ("v3", 256)])
+def test_torch_compile(variant, head_size):
+    """A full graph, with the database's choice or a variant asked for (whose check that it runs the head size,
+    at 256, asks the arch while dynamo traces)."""
+    if variant and refused_here(variant, head_size):
+        pytest.skip(f"{variant} refuses head size {head_size} on this GPU")
+    q, k, v, bt, cl = make_case([100, 900], num_kv_heads=2, group=4, head_size=head_size)
 
     def f(q, k, v, bt, cl):
-        return hipkern.paged_attention_decode(q, k, v, bt, cl) * 2
+        return hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant) * 2
 
     out = torch.compile(f, fullgraph=True)(q, k, v, bt, cl)
     ref, _ = paged_attention_ref(q, k, v, bt, cl)
