@@ -230,6 +230,9 @@ def test_nan_and_minus_infinity_logits(dtype, e, g, tg):
         assert int(ids.min()) >= 0 and int(ids.max()) < e and (ids.sort(dim=1).values.diff(dim=1) != 0).all()
         ref_w, ref_ids = grouped_topk_ref(x[4:6], bias, 8, g, tg)
         assert torch.equal(ids[4:6], ref_ids) and w[4].isnan().all() and ref_w[0].isnan().all()
+        w7 = torch.full((64, 8), 7.0, device="cuda")  # a finite poison: NaN is row 4's right value, written
+        hipkern.grouped_topk(x, bias, 8, g, tg, out=(w7, poison(torch.empty(64, 8, dtype=torch.int32, device="cuda"))))
+        assert w7[4].isnan().all() and torch.equal(w7[5], w[5])
         assert checkAllclose(w[5], ref_w[1].float(), rtol=RTOL, atol=ATOL) == 0 and torch.isfinite(w[5]).all()
         if bias is None:
             assert ids[5, :2].tolist() == [7, 9] and (w[5, 2:] == 0).all()

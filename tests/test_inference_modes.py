@@ -67,7 +67,8 @@ def test_parameters_outside_no_grad_give_outputs_without_a_gradient():
     assert torch.equal(out, checked)
     q, k, v, bt, cl = make_pa_case([300, 2000, 1], num_kv_heads=2, group=8)
     o_checked, _ = pa_run_and_check((q, k, v, bt, cl))
+    qg = q.clone().requires_grad_()  # (before the poison: the op's output, not this copy, gets the poisoned block)
     poison_next_alloc(q.device, (q.shape, q.dtype))
-    o = hipkern.paged_attention_decode(q.clone().requires_grad_(), k, v, bt, cl)
+    o = hipkern.paged_attention_decode(qg, k, v, bt, cl)
     assert not o.requires_grad and o.grad_fn is None
     assert torch.equal(o, o_checked)

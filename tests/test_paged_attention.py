@@ -410,7 +410,7 @@ def test_validation_is_memoised_by_what_it_reads(monkeypatch):
         args = dict(query=q, key_cache=k, value_cache=v, block_tables=bt, context_lens=cl, scale=1.0,
                     out=torch.empty_like(q))
         args.update(change)
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=f"^{name} must "):
             hipkern.paged_attention_decode(**args)
     assert len(seen) == 2 + len(bad) and len(pa._VALID) == 2
 
@@ -427,6 +427,9 @@ def test_torch_compile(variant, head_size):
     def f(q, k, v, bt, cl):
         return hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant) * 2
 
-    out = torch.compile(f, fullgraph=True)(q, k, v, bt, cl)
+    g = torch.compile(f, fullgraph=True)
+    g(q, k, v, bt, cl)  # compiled; then the op's output (the graph's first allocation) from a poisoned block
+    poison_next_alloc(q.device, (q.shape, q.dtype))
+    out = g(q, k, v, bt, cl)
     ref, _ = paged_attention_ref(q, k, v, bt, cl)
     assert check_out(out / 2, ref) == 0

@@ -123,7 +123,8 @@ def test_minus_infinity_logits_are_selectable():
     w, ids = _run(x, 4, False)
     assert ids[:, :2].tolist() == [[10, 3]] * 4
     assert torch.equal(ids[:, 2:], torch.tensor([[0, 1]] * 4, dtype=torch.int32, device="cuda"))
-    assert (w[:, 2:] == 0).all() and checkAllclose(w[:, :2].sum(1), torch.ones(4, device="cuda")) == 0
+    right = torch.tensor([1.0, math.exp(-1.0)]) / (1 + math.exp(-1.0))  # softmax of 0 and -1; the -inf ones 0
+    assert (w[:, 2:] == 0).all() and checkAllclose(w[:, :2], right.cuda().expand(4, 2), rtol=1e-5, atol=1e-6) == 0
 
 
 @pytest.mark.gpu

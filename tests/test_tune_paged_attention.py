@@ -187,7 +187,6 @@ def test_batches_past_a_variants_limit_and_the_largest_bucket():
 def test_the_largest_context_bucket_is_timed_within_the_op_s_limit():
     """Context 2^30 (the bucket of tables up to the op's 2^30 - 1 tokens) is timed with the whole blocks below
     that limit, which the op takes: every candidate would be refused at 2^30 itself."""
-    from hipkern.ops import paged_attention as pa
     from hipkern.tune.paged_attention import _context
     info = ADAPTER.info_for("sm_90", 132)
     big = pa_shape(1, 2**30)
