@@ -12,12 +12,14 @@ RTOL, ATOL = 1e-5, 1e-6  # float32 kernel vs float64 reference
 # (E, groups, kept groups): DeepSeek-V3 (256/8/4), V2 (160/8/3), Kimi-K2-like (384/1/1), one expert
 # per group, groups of non-power-of-two size or count, every group kept (no group stage), the limits. And
 # the launcher's instances with the group stage: float32 rows of 4 and 8 chunks (16, 32), 16-bit rows of 2
-# (16); the scalar path (E not a multiple of a 16-byte chunk) at 1, 2 and 8 elements a lane (6 and 20 for
-# every dtype, 36 and 100 for 16-bit types, 130 for float32 and 16-bit), with groups narrower than their
-# lanes (6: groups of 3); one kept group of several; 64 groups of one expert.
+# (16); the scalar path (E not a multiple of a 16-byte chunk) at 1, 2, 4 and 8 elements a lane (6 for every
+# dtype, 20, 36 and 100 for 16-bit types, 33 and 65 for float32, 130 for float32 and 16-bit), with groups
+# narrower than their lanes (6: groups of 3); float32's one-lane vector rows (4); one kept group of several; 64
+# groups of one expert.
 CONFIGS = [(8, 1, 1), (8, 4, 2), (8, 8, 3), (64, 8, 3), (64, 1, 1), (96, 3, 2), (160, 8, 3), (256, 8, 4),
            (256, 8, 8), (256, 64, 5), (257, 1, 1), (384, 1, 1), (512, 16, 16), (512, 64, 8),
-           (6, 2, 1), (16, 4, 2), (20, 4, 1), (32, 4, 2), (36, 4, 3), (64, 64, 8), (100, 4, 2), (130, 2, 1)]
+           (6, 2, 1), (16, 4, 2), (20, 4, 1), (32, 4, 2), (36, 4, 3), (64, 64, 8), (100, 4, 2), (130, 2, 1),
+           (4, 2, 1), (33, 3, 2), (65, 5, 2)]
 
 
 def _logits(t, e, dtype, scale=2.0):

@@ -45,10 +45,10 @@ def _check(x, k, renorm, w, ids):
 @pytest.mark.parametrize("dtype", DTYPES)
 # Every instance of the launcher's dispatch on 32-lane waves (and of the 64-lane one where the counts allow):
 # 16-byte chunks at 1..32 lanes and more chunks a lane (vector path), and the scalar path (E not a multiple of
-# a chunk) at 1, 2, 4 and 8 elements a lane: e.g. 4 / 20 / 32 (float32 1 / 8 lanes), 24 (16-bit 4 lanes), 100
-# and 130 / 250 (the scalar path's 4 and 8 a lane).
-@pytest.mark.parametrize("e", [1, 2, 3, 4, 5, 8, 16, 20, 24, 32, 60, 64, 100, 128, 130, 200, 250, 256, 257, 384, 511,
-                               512])
+# a chunk) at 1, 2, 4 and 8 elements a lane: e.g. 4 / 20 / 32 (float32 1 / 8 lanes), 24 (16-bit 4 lanes), 65
+# (float32) and 100 (16-bit: the scalar path's 4 a lane), 130 / 250 (its 8 a lane).
+@pytest.mark.parametrize("e", [1, 2, 3, 4, 5, 8, 16, 20, 24, 32, 60, 64, 65, 100, 128, 130, 200, 250, 256, 257, 384,
+                               511, 512])
 def test_matches_reference_over_expert_counts(dtype, e):
     torch.manual_seed(e)
     for t in (1, 3, 129):
