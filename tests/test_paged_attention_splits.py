@@ -226,3 +226,29 @@ def test_aliases_run_their_variant(alias):
     case = make_case([1, 64, 1000], num_kv_heads=2, group=8)
     o, _ = run_and_check(case, variant=alias)
     assert torch.equal(o, hipkern.paged_attention_decode(*case, variant=ALIASES[alias]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v16", "v3", "v9", "v6"])
+@pytest.mark.parametrize("group,head_size", [(8, 128), (64, 256), (4, 64), (12, 128)])
+def test_lengths_at_the_default_plan_s_partition_boundaries(variant, group, head_size):
+    """Each variant's own (default) plan for the shape, not a pinned size: lengths one below, at and one above its
+    partition size and twice it, beside the longest the table addresses, which fixes the plan (it depends on the
+    shapes only: the same for every length list of this batch and table)."""
+    from hipkern.ops import paged_attention as pa
+    from hipkern.ops._common import module_for
+
+    width, n = 4096, 8  # 16-token blocks; 8 sequences of 2 KV heads: few blocks, so every variant splits
+    q = torch.empty(n, 2 * group, head_size, dtype=torch.bfloat16, device="cuda")
+    dev = q.get_device()
+    if not pa.runs_here(variant, head_size):
+        pytest.skip(f"{variant} refuses head size {head_size} on this GPU")
+    mod = module_for("paged_attention", dev, dtype="bfloat16", head_size=head_size)
+    plan = pa._launch_plan(dev, mod, q, head_size, 16, 2, "NHD", width // 16, variant)[2]
+    size = plan.partition_size
+    assert plan.num_partitions > 1 and not plan.per_sequence and size < width
+    lens = [width, size - 1, size, size + 1, 2 * size - 1, 2 * size, min(width, 2 * size + 1), 1]
+    case = make_case(lens, num_kv_heads=2, group=group, head_size=head_size, extra_blocks=0, seed=group + head_size)
+    assert case[3].shape[1] * 16 == width
+    assert pa._launch_plan(dev, mod, case[0], head_size, 16, 2, "NHD", width // 16, variant)[2] == plan
+    run_and_check(case, variant=variant, msg=f"partitions of {size} ")
