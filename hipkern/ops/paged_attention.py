@@ -407,12 +407,13 @@ def _check_variant_runs(query, variant) -> None:
     """A variant asked for must run query's head size on the arch the op builds for: checked before any allocation
     or build (and while tracing; not in _validate, whose memo does not key on the arch). Where no arch can be known
     yet (fake tensors without a GPU) or HIPKERN_ARCH names one the GPU cannot run, the launch's module load says so."""
-    if variant and query.shape[-1] == 256:  # (kernel_runs: only head size 256 is refused anywhere)
+    var, head_size = VARIANTS.get(variant), query.shape[-1]
+    if var and not all(kernel_runs(var, head_size, wave) for wave in (32, 64)):  # the arch decides: ask it
         try:
             arch = jit.platform.load_arch(query.get_device())
         except jit.JitError:
             return
-        _check_runs(VARIANTS[variant], query.shape[-1], jit.wave_size_of(arch))
+        _check_runs(var, head_size, jit.wave_size_of(arch))
 
 
 def _check_runs(var: Variant, head_size: int, wave_size: int) -> None:
