@@ -120,14 +120,14 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(info.min if info.min < 0 else info.max)
 
 
-def poison_next_alloc(device, *specs) -> None:
+def poison_next_alloc(device, *specs, fill=poison) -> None:
     """Make torch's next allocations of `specs`, (shape, dtype) pairs on `device` (an op's own outputs,
-    e.g. the LSE or a functional call's results), most likely come back poisoned: the cached free blocks
-    are released, then poisoned blocks of those sizes are freed for the allocator to hand out again
+    e.g. the LSE or a functional call's results), most likely come back poisoned (by `fill`): the cached free
+    blocks are released, then poisoned blocks of those sizes are freed for the allocator to hand out again
     (best fit). An element the op leaves unwritten then shows, instead of a previous call's correct value
     in a reused block."""
     torch.cuda.empty_cache()
-    junk = [poison(torch.empty(shape, dtype=dtype, device=device)) for shape, dtype in specs]
+    junk = [fill(torch.empty(shape, dtype=dtype, device=device)) for shape, dtype in specs]
     del junk
 
 

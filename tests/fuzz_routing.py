@@ -10,7 +10,7 @@ import torch
 
 import hipkern
 from hipkern.reference import grouped_topk_ref, grouped_topk_scores_ref, moe_sorting_ref, topk_softmax_ref
-from hipkern.testing import checkAllclose, poison
+from hipkern.testing import checkAllclose, poison, poison_next_alloc
 # (tests/ is on sys.path: fuzz.py's directory)
 from test_grouped_topk import (ATOL as GT_ATOL, CONFIGS as GT_CONFIGS, RTOL as GT_RTOL, _check_near_rows, _near,
                                _noise)
@@ -108,12 +108,6 @@ def unwritten(t) -> bool:
     return t.dtype == torch.float32 and bool((t.view(torch.int32) == POISON_BITS).any())
 
 
-def poison_next_outputs(device, specs) -> None:
-    """poison_next_alloc with _poisoned's values: the functional call's outputs most likely come back so."""
-    torch.cuda.empty_cache()
-    junk = [_poisoned(torch.empty(shape, dtype=dt, device=device)) for shape, dt in specs]
-    del junk
-
 
 def placed_input(c, name, t):  # on the GPU, unaligned if so drawn
     return None if t is None else placed(t.shape, t.dtype, c["shift"] * (name in c["unaligned"]), t.to(DEVICE))[0]
@@ -147,7 +141,7 @@ def run_checked(c, attempt, op, args, kw, judge):
             rest = torch.cat((buf[:s], buf[s + view.numel():]))
             if not (rest.isnan() if rest.is_floating_point() else rest == torch.iinfo(rest.dtype).min).all():
                 msgs.append("a write outside out= (into the guard elements)")
-        poison_next_outputs(views[0].device, specs)
+        poison_next_alloc(views[0].device, *specs, fill=_poisoned)
         again = op(*args, **kw)
         if any(unwritten(a) for a in again):
             msgs.append("an element of the functional call's output left unwritten (the poison's NaN)")
