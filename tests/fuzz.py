@@ -247,7 +247,7 @@ def same_launch_same_bits(bits, chosen) -> list:
         launch = (chosen[0] if not chosen[1] else None) if variant is None else P.ALIASES.get(variant, variant)
         if launch:
             runs[launch].append(variant)
-    same = lambda a, b: torch.equal(bits[a].view(torch.int16), bits[b].view(torch.int16))
+    same = lambda a, b: R.same_bits(bits[a], bits[b])
     return [dict(variant=f"{names[0]}={other}", status="passed" if same(names[0], other) else "failed",
                  msg="" if same(names[0], other) else "one launch, other bits")
             for names in runs.values() for other in names[1:]]
@@ -346,9 +346,7 @@ def run_moe(c, seed, verbose):
         again_out = out_for(xs2)
         poison_free_memory(x.device)  # the workspaces: not the first call's values, handed back
         again = hipkern.fused_moe(xs2, w1, w2, w, ids, out=again_out, **kw)
-        same = torch.equal(again.view(torch.int16 if again.element_size() == 2 else torch.int32),
-                           res.view(torch.int16 if res.element_size() == 2 else torch.int32))
-        msgs += [] if same else ["the same call again gives other bits (not deterministic)"]
+        msgs += [] if R.same_bits(again, res) else ["the same call again gives other bits (not deterministic)"]
         if verbose and share:
             err = (res.double() - ref).abs().nan_to_num(math.inf).amax(dim=1)
             print("    worst tokens (index, max abs err, ids):",

@@ -103,6 +103,11 @@ def _poisoned(t):
     return t.view(torch.int32).fill_(POISON_BITS).view(t.dtype) if t.dtype == torch.float32 else poison(t)
 
 
+def same_bits(a, b) -> bool:
+    """Whether two tensors (of one shape and dtype, rows contiguous) hold the same bytes (NaN and -0.0 as well)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def unwritten(t) -> bool:
     """Whether float32 `t` still holds the poison's NaN somewhere."""
     return t.dtype == torch.float32 and bool((t.view(torch.int32) == POISON_BITS).any())
@@ -131,7 +136,7 @@ def run_checked(c, attempt, op, args, kw, judge):
     def check(got):
         if any(a is not b for a, b in zip(got, views)):
             return 1.0, "the result is not out="
-        if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in inputs):
+        if not all(same_bits(a, b) for a, b in inputs):
             return 1.0, "the op changed an input"
         share, msgs = judge(*views)
         if any(unwritten(v) for v in views):
@@ -145,7 +150,7 @@ def run_checked(c, attempt, op, args, kw, judge):
         again = op(*args, **kw)
         if any(unwritten(a) for a in again):
             msgs.append("an element of the functional call's output left unwritten (the poison's NaN)")
-        if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(views, again)):
+        if not all(same_bits(a, b) for a, b in zip(views, again)):
             msgs.append("the same call again (functional) gives other bits (not deterministic)")
         return share, "; ".join(msgs)
 
