@@ -44,8 +44,35 @@ def test_a_re_tune_whose_candidates_all_fail_keeps_the_row_and_says_so(fresh, mo
     assert by_key(fresh)[("ok", 1)] == before
     CALLS.clear()
     s = runner.tune(FAKE, shapes(("ok", 1)), fresh, skip_done=True, progress=False)
-    assert len(CALLS) == 6 and not s.failed  # every candidate failed for an error: measured again
+    assert len(set(CALLS)) == 6 and not s.failed  # every candidate failed for an error: measured again
     assert (by_key(fresh)[("ok", 1)]["variant"], by_key(fresh)[("ok", 1)]["tile"]) == ("b", "2")
+
+
+def test_a_candidate_whose_call_after_timing_differs_is_rejected(fresh, monkeypatch):
+    """The fastest candidate right on its checked call, then (after its timed calls) leaving an element unwritten
+    or writing other bits: rejected as not repeatable, and the next fastest is chosen. A correct candidate runs
+    exactly twice (the checked call and the one after timing; the fake's timing calls nothing)."""
+    real = test_tune.FakeBench.call
+    seen = {}
+
+    def later_wrong(self, out):
+        real(self, out)
+        n = seen[self.cand.name] = seen.get(self.cand.name, 0) + 1
+        if self.cand.name == "b[tile=2]" and n > 1:
+            out[3] = out[3] + 1 if self.s["batch"] == 1 else float("nan")
+
+    monkeypatch.setattr(test_tune.FakeBench, "call", later_wrong)
+    for batch in (1, 4):
+        seen.clear()
+        runner.tune(FAKE, shapes(("ok", batch)), fresh, progress=False)
+        assert seen["a"] == seen["b"] == 2 and seen["b[tile=2]"] == 2
+        row = by_key(fresh)[("ok", batch)]
+        assert (row["variant"], row["tile"]) == ("b", ""), batch
+        cand = {(r["batch"], r["variant"], r["tile"]): r for r in rows_of(core.candidates_path(fresh))}
+        bad = cand[(str(batch), "b", "2")]
+        assert bad["status"] == "rejected" and bad["us"] == ""
+        assert bad["note"] == "a call after timing differs from the checked one in 1 of 8 output elements " \
+                              "(not repeatable)", bad["note"]
 
 
 def test_a_row_the_loader_would_skip_is_never_chosen(fresh):

@@ -481,7 +481,9 @@ def output_errors(out, got, ref, tol: dict) -> tuple:
 def measure(bench, cand, measures=()) -> tuple:
     """(status, us, err, note, fatal, {measure: us}): run `cand` once into a NaN-poisoned output,
     reject it on any non-finite element or a checkAllclose mismatch against the reference, else time
-    it (and, with `measures`, bench.time_measures())."""
+    it (and, with `measures`, bench.time_measures()); then run it once more into another poisoned output and
+    reject it unless that has the checked output's bits (the ops are deterministic: a candidate whose timed
+    calls left state behind, or that writes less or other values on a later call, is not chosen)."""
     try:
         with bench.use(cand):
             out = poison(bench.new_output())
@@ -496,6 +498,11 @@ def measure(bench, cand, measures=()) -> tuple:
                 return "rejected", None, err, f"checkAllclose mismatch on {err:.2%} of the checked elements", False, {}
             us = float(bench.time_us())
             extra = {k: float(v) for k, v in bench.time_measures().items()} if measures else {}
+            again = poison(bench.new_output())
+            bench.call(again)
+            if not torch.equal(again, out):
+                return ("rejected", None, err, f"a call after timing differs from the checked one in "
+                        f"{int((again != out).sum())} of {out.numel()} output elements (not repeatable)", False, {})
         if set(extra) != set(measures):
             return "rejected", None, err, f"time_measures gave {sorted(extra)}, not {sorted(measures)}", False, {}
         bad_times = {k: v for k, v in {"us": us, **extra}.items() if not (math.isfinite(v) and v > 0)}
