@@ -11,7 +11,7 @@ import torch
 
 import hipkern
 from hipkern.ops.fused_moe import BLOCK_MS as OP_BLOCK_MS
-from hipkern.testing import checkAllclose, poison, poison_free_memory
+from hipkern.testing import checkAllclose, poison, poison_free_memory, poison_next_alloc
 
 from conftest import sm90_build
 from moe_cases import (
@@ -522,6 +522,8 @@ def test_torch_compile():
     emap, w1l, w2l, _ = half_remote(e, w1, w2)
     for t in (16, 33):
         x, w, ids = make_tokens(t, SMALL["d"], dtype, t), routing_weights(t, k, t), uniform_ids(t, k, e, t)
+        compiled(x, w1, w2, w, ids, w1l, w2l, emap)  # compiled; then the ops' outputs from poisoned blocks
+        poison_next_alloc(x.device, (x.shape, x.dtype), (x.shape, x.dtype))
         a, b = compiled(x, w1, w2, w, ids, w1l, w2l, emap)
         assert checkAllclose(a / 2, reference(x, w1, w2, w, ids), **TOL[dtype]) == 0
         assert checkAllclose(b / 4, reference(x, w1l, w2l, w, ids, "gelu", emap), **TOL[dtype]) == 0
@@ -654,5 +656,6 @@ def test_float32_weights_and_tokens_far_from_one(block_m, side, variant, request
 def test_allow_tf32_stays_close():
     """allow_tf32=True may use TF32 for fp32 inputs (10-bit mantissa): bf16's tolerance, not fp32's."""
     x, w1, w2, w, ids = make_case(129, **SMALL, e=64, k=8, dtype=torch.float32)
+    poison_next_alloc(x.device, (x.shape, x.dtype))  # the op's output: an unwritten element shows
     res = hipkern.fused_moe(x, w1, w2, w, ids, allow_tf32=True)
     assert checkAllclose(res, reference(x, w1, w2, w, ids), **TOL[torch.bfloat16]) == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hipkern
+from hipkern.ops.moe_sorting import moe_sorting_max_padded
 from hipkern.reference import moe_sorting_ref
 from hipkern.testing import poison_next_alloc
 
@@ -22,10 +23,15 @@ pytestmark = pytest.mark.gpu
 
 def _every_op(logits, bias, ids, moe_case, pa_case, tag):
     """Each op once, checked against its reference (outputs poisoned where the helpers poison them)."""
+    t, dev = logits.shape[0], logits.device
+    poison_next_alloc(dev, ((t, 4), torch.float32), ((t, 4), torch.int32))  # each op's outputs: unwritten shows
     w, i = hipkern.topk_softmax(logits, 4)
     softmax_check(logits, 4, True, w, i)
+    poison_next_alloc(dev, ((t, 4), torch.float32), ((t, 4), torch.int32))
     gw, gi = hipkern.grouped_topk(logits, bias, 4, 8, 2)
     grouped_check(logits, bias, 4, 8, 2, gw, gi)
+    n = moe_sorting_max_padded(ids.numel(), 64, 16)
+    poison_next_alloc(dev, ((n,), torch.int32), ((n // 16,), torch.int32), ((1,), torch.int32))
     for got, want in zip(hipkern.moe_sorting(ids, 64, 16), moe_sorting_ref(ids, 64, 16)):
         assert torch.equal(got, want), f"{tag} moe_sorting"
     out = moe_run_and_check(*moe_case, msg=tag)

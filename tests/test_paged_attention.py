@@ -321,8 +321,12 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(variant, pin):
 def test_pinned_partition_sizes_on_two_streams(partition_size):
     """Partition boundaries +-1, up to 64 partitions and an empty context in one batch, each variant
     pinned to a partition size, on the default and a side stream. 100 is no multiple of any kernel's
-    tile (a database row may hold it): the op rounds it up to whole tiles."""
-    lens = [0, 1, partition_size - 1, partition_size, partition_size + 1, 3 * partition_size + 7, 4096]
+    tile (a database row may hold it), nor 64 of the simt kernel's: the op rounds it up to whole tiles, so the
+    boundaries of each rounded size are in the batch too."""
+    from hipkern.ops.paged_attention import KERNELS
+    wave = 64 if torch.version.hip else 32
+    sizes = {partition_size} | {-(-partition_size // k.tile(wave)) * k.tile(wave) for k in KERNELS.values()}
+    lens = [0, 1, *sorted(n + d for n in sizes for d in (-1, 0, 1)), 3 * partition_size + 7, 4096]
     case = make_case(lens, num_kv_heads=2, group=8, seed=partition_size)
     side = torch.cuda.Stream()
     for variant in VARIANT_NAMES:  # v5: its smallest partition
@@ -340,9 +344,11 @@ def test_pinned_partition_sizes_on_two_streams(partition_size):
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_deterministic(variant):
     q, k, v, bt, cl = make_case([3000, 77, 1500], num_kv_heads=4, group=8)
-    first = hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant)
-    for _ in range(5):
-        assert torch.equal(hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant), first)
+    first, _ = run_and_check((q, k, v, bt, cl), variant=variant)
+    for _ in range(5):  # into poisoned outputs, not a freed buffer holding the last repeat's bits
+        out = poison(torch.empty_like(q))
+        hipkern.paged_attention_decode(q, k, v, bt, cl, variant=variant, out=out)
+        assert torch.equal(out, first)
 
 
 @pytest.mark.gpu
