@@ -23,8 +23,16 @@
 #error "HK_WAVE_SIZE must be defined by the build (the JIT builder sets it per target)"
 #endif
 
-#if defined(HK_PLATFORM_HIP) && defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
+// The target's wave size against the build's. Newer clangs deprecate the macros (generic targets choose it late):
+// without them, GFX9 (CDNA, gfx942) has 64-lane waves only.
+#if defined(HK_PLATFORM_HIP) && defined(__HIP_DEVICE_COMPILE__)
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
 static_assert(__AMDGCN_WAVEFRONT_SIZE == HK_WAVE_SIZE, "HK_WAVE_SIZE disagrees with the target");
+#elif defined(__AMDGCN_WAVEFRONT_SIZE__)
+static_assert(__AMDGCN_WAVEFRONT_SIZE__ == HK_WAVE_SIZE, "HK_WAVE_SIZE disagrees with the target");
+#elif defined(__GFX9__)
+static_assert(HK_WAVE_SIZE == 64, "HK_WAVE_SIZE disagrees with the target (GFX9 waves have 64 lanes)");
+#endif
 #endif
 
 #define HK_EXPORT extern "C" __attribute__((visibility("default")))
