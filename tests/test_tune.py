@@ -117,6 +117,7 @@ def reset_fake(monkeypatch, tmp_path, tuning_results) -> Path:
     CALLS.clear()
     STATE.update(clock=0.0, interrupts=0)
     monkeypatch.setenv("FAKE_TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv("HIPKERN_JIT_DIR", str(tmp_path / "jit"))  # (the save lock's directory: core.files_lock)
     monkeypatch.setenv("PYTHONPATH", str(TESTS))  # workers import this module as test_tune
     # the fake op's workers run on no GPU: "--gpus 0,1" on a machine with one GPU made worker 1 fail set_device
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

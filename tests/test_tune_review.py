@@ -1,6 +1,8 @@
 """The tuner where a user committing CSVs trips (a review of 2026-11-28), on the fake op of test_tune: a re-tune
 whose candidates all fail, rows the loader would skip, a bad --out, the commit stamp, two tuners saving into one
 file, a GPU with no rows of its own, --dry-run without a GPU; and (GPU) the fused_moe adapter's skewed check."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,6 +75,18 @@ def test_a_candidate_whose_call_after_timing_differs_is_rejected(fresh, monkeypa
         assert bad["status"] == "rejected" and bad["us"] == ""
         assert bad["note"] == "a call after timing differs from the checked one in 1 of 8 output elements " \
                               "(not repeatable)", bad["note"]
+
+
+def test_the_save_lock_lives_in_the_user_s_private_cache(fresh, tmp_path):
+    """The lock over a save was a predictable file in the shared temporary directory, opened through links and
+    truncated: another user could clobber a file of the tuning user, or hold the lock forever."""
+    import tempfile
+
+    with core.files_lock(fresh):
+        held = list((tmp_path / "jit" / "tune-locks").glob("*.lock"))
+        assert len(held) == 1 and (held[0].stat().st_mode & 0o077) == 0
+        assert (tmp_path / "jit" / "tune-locks").stat().st_mode & 0o077 == 0
+    assert not list(Path(tempfile.gettempdir()).glob(f"hipkern-tune-{held[0].stem}.lock"))
 
 
 def test_a_row_the_loader_would_skip_is_never_chosen(fresh):

@@ -35,7 +35,7 @@ def file_lock(path, what: str):
                        "of this process, which holds it or waits for it too (HIPKERN_JIT_LOCK_TIMEOUT)")
     try:
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # (a planted link is no lock)
             try:
                 _acquire(fd, path, what, timeout, deadline)
             except BaseException:
@@ -48,8 +48,7 @@ def file_lock(path, what: str):
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            os.pwrite(fd, f"{os.getpid():<20}".encode(), 0)  # (fixed width: no truncation of the file opened)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)

@@ -77,11 +77,14 @@ def _source_files(spec: ModuleSpec) -> list[Path]:
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inc")
 
 # Environment variables the compilers read as flags or include paths: a module built under one of them is
-# another module (nvcc: NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS; clang: CPATH and the like, CCC_OVERRIDE_OPTIONS,
-# and HIP_PATH, whose include directory it puts in place of --rocm-path's).
-COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CPATH", "C_INCLUDE_PATH",
-                "CPLUS_INCLUDE_PATH", "CCC_OVERRIDE_OPTIONS", "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND",
-                "HIP_PATH")
+# another module (nvcc: NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS, and the variables its nvcc.profile extends from
+# the environment, INCLUDES, SYSTEM_INCLUDES, LIBRARIES, CUDAFE_FLAGS, PTXAS_FLAGS; clang: CPATH and the like,
+# CCC_OVERRIDE_OPTIONS, and HIP_PATH, whose include directory it puts in place of --rocm-path's; the host
+# compiler and linker: GCC_EXEC_PREFIX, COMPILER_PATH, LIBRARY_PATH).
+COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "INCLUDES", "SYSTEM_INCLUDES", "LIBRARIES",
+                "CUDAFE_FLAGS", "PTXAS_FLAGS", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CCC_OVERRIDE_OPTIONS",
+                "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND", "HIP_PATH", "GCC_EXEC_PREFIX",
+                "COMPILER_PATH", "LIBRARY_PATH")
 
 
 def module_key(spec: ModuleSpec, arch: str, toolchain) -> str:
@@ -262,7 +265,7 @@ class Module:
     def __init__(self, spec: ModuleSpec, arch: str, path: Path):
         self.spec, self.arch, self.path = spec, arch, path
         try:
-            self._lib = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+            self._lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)  # (linked -z defs: all resolve)
         except OSError as e:
             raise JitError(f"module {spec.name} ({path}) does not load: {e}. If the cached file is damaged, "
                            f"delete {path.parent} (or set HIPKERN_REBUILD=1) to build it again") from e

@@ -53,11 +53,12 @@ class Toolchain:
                 gencode = f"-gencode=arch=compute_{num},code=[sm_{num},compute_{num}]"
             if int(num.rstrip("a")) >= 90:  # the device code waits in griddep_wait(): early launches (launch.h)
                 d = d + ["-DHK_PDL=1"]
-            return [self.compiler, "-x", "cu", "-std=c++17", "-O3", gencode, "-shared",
+            # -z defs: a host symbol defined nowhere fails the link (with its log), not the first call at run time
+            return [self.compiler, "-x", "cu", "-std=c++17", "-O3", gencode, "-shared", "-Xlinker", "-zdefs",
                     "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xptxas", "-v", "-lineinfo",
                     *inc, *d, *map(str, sources), "-o", out]
         cmd = [self.compiler, "-x", "hip", f"--offload-arch={arch}", "-std=c++17", "-O3", "-fPIC",
-               "-shared", "-fvisibility=hidden", "-Rpass-analysis=kernel-resource-usage",
+               "-shared", "-Wl,-z,defs", "-fvisibility=hidden", "-Rpass-analysis=kernel-resource-usage",
                f"--rocm-path={self.rocm_path}", *inc, *d, *map(str, sources), "-o", out]
         if self.device_lib_dir:
             cmd.insert(4, f"--rocm-device-lib-path={self.device_lib_dir}")
@@ -74,14 +75,15 @@ def supported_wave(arch: str) -> None:
                        "64-lane waves and MFMA matrix cores (gfx942, MI300); RDNA is not supported")
 
 
-_versions: dict = {}  # realpath -> `--version`, asked once per process
+_versions: dict = {}  # absolute path as invoked -> `--version`, asked once per process
 
 
 def _version(compiler: str) -> str:
     """`compiler --version`, asked of the compiler once per process. (A memo on disk keyed by the file's
     size and time missed upgrades behind a wrapper script, e.g. /usr/local/bin/nvcc exec'ing a toolkit's
-    nvcc updated in place: modules built by the old compiler kept their keys.)"""
-    key = os.path.realpath(compiler)
+    nvcc updated in place: modules built by the old compiler kept their keys.) Keyed by the path invoked, not the
+    file it resolves to: names linked to one multi-call program (ccache's gcc, g++, clang++) are other compilers."""
+    key = os.path.abspath(compiler)
     known = _versions.get(key)
     if known is not None:
         return known
@@ -169,32 +171,42 @@ def _device_libs(rocm_path: str, arch: str, cache_dir: Path) -> str | None:
     llvm_as = _which(["llvm-as-19", "llvm-as-18", "llvm-as-17", "llvm-as"])
     if not (llvm_bin and llvm_as):
         raise JitError(f"deriving {target.name} for {arch} needs llvm-dis and llvm-as (package llvm-19)")
-    with file_lock(cache_dir / f"rocm-device-libs-{arch}.lock", f"device libraries for {arch}"):
-        if target.is_file():  # made by another process while we waited
-            return str(dest)
-        for stale in cache_dir.glob(f"{dest.name}.tmp*"):  # under the lock: killed derivations' copies
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(f"{dest}.tmp{os.getpid()}")
-        try:
-            shutil.copytree(src, tmp)
-            text = subprocess.run([llvm_bin, str(src / f"oclc_isa_version_{sibling}.bc"), "-o", "-"],
-                                  capture_output=True, text=True, errors="replace", check=True).stdout
-            subprocess.run([llvm_as, "-o", str(tmp / target.name)], input=text.replace(old, new), text=True,
-                           capture_output=True, check=True)
-            os.rename(tmp, dest)
-        except (OSError, subprocess.CalledProcessError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            detail = getattr(e, "stderr", "") or e
-            raise JitError(f"deriving {target.name} for {arch} from {src} failed: {detail}") from e
+    try:
+        lock = file_lock(cache_dir / f"rocm-device-libs-{arch}.lock", f"device libraries for {arch}")
+        with lock:
+            if target.is_file():  # made by another process while we waited
+                return str(dest)
+            for stale in cache_dir.glob(f"{dest.name}.tmp*"):  # under the lock: killed derivations' copies
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = Path(f"{dest}.tmp{os.getpid()}")
+            try:
+                shutil.copytree(src, tmp)
+                text = subprocess.run([llvm_bin, str(src / f"oclc_isa_version_{sibling}.bc"), "-o", "-"],
+                                      capture_output=True, text=True, errors="replace", check=True).stdout
+                subprocess.run([llvm_as, "-o", str(tmp / target.name)], input=text.replace(old, new), text=True,
+                               capture_output=True, check=True)
+                os.rename(tmp, dest)
+            except (OSError, subprocess.CalledProcessError) as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                detail = getattr(e, "stderr", "") or e
+                raise JitError(f"deriving {target.name} for {arch} from {src} failed: {detail}") from e
+    except OSError as e:  # the lock (a full or read-only cache): the cache is at fault, as builder.build says
+        raise JitError(f"deriving the device libraries for {arch}: the JIT cache {cache_dir} cannot be written ({e}); "
+                       "free space there, or set HIPKERN_JIT_DIR to a writable private directory") from e
     return str(dest)
 
 
-def _fingerprint(paths) -> str:
-    """Short hash of the names, sizes and mtimes of some files."""
+def _fingerprint(paths, by_content=()) -> str:
+    """Short hash of the names, sizes and mtimes of some files; of the names and bytes of those named in
+    `by_content` (a file this process may write again with the same bytes, as the derived ISA library)."""
     h = hashlib.sha256()
     for p in sorted(paths):
+        name = os.path.basename(p)
+        if name in by_content:
+            h.update(f"{name}|".encode() + hashlib.sha256(Path(p).read_bytes()).digest() + b";")
+            continue
         st = os.stat(p)
-        h.update(f"{os.path.basename(p)}|{st.st_size}|{st.st_mtime_ns};".encode())
+        h.update(f"{name}|{st.st_size}|{st.st_mtime_ns};".encode())
     return h.hexdigest()[:12]
 
 
@@ -217,7 +229,8 @@ def find_toolchain(arch: str, cache_dir: Path) -> Toolchain:
     libs = _device_libs(rocm, arch, cache_dir)
     # The HIP headers and device libraries are part of what a module is built from: in the key.
     headers = [p for p in (Path(rocm) / "include" / "hip" / "hip_version.h",) if p.is_file()]
-    version = f"{_version(clang)} | hip {_fingerprint(headers)} | libs {_fingerprint(Path(libs).glob('*.bc'))}"
+    derived = (f"oclc_isa_version_{arch[3:]}.bc",) if Path(libs).parent == Path(cache_dir) else ()  # (its copy)
+    version = f"{_version(clang)} | hip {_fingerprint(headers)} | libs {_fingerprint(Path(libs).glob('*.bc'), derived)}"
     return Toolchain("rocm", clang, version, rocm_path=rocm, device_lib_dir=libs)
 
 

@@ -44,6 +44,7 @@ import torch
 
 from .. import tuning_db
 from ..jit._lock import file_lock
+from ..jit._paths import cache_root
 from ..testing import checkAllclose, poison, run_perftest
 
 ADAPTERS = {"paged_attention": "hipkern.tune.paged_attention:ADAPTER", "fused_moe": "hipkern.tune.fused_moe:ADAPTER"}
@@ -281,9 +282,12 @@ def write_csv(path, rows, columns) -> None:
 def files_lock(out):
     """An inter-process lock over the read-merge-write of a database file and its candidates file (save):
     two tuners saving into the same files take turns instead of losing each other's rows. The lock file
-    lives in the temporary directory, named by the database's path."""
+    lives in the user's private JIT cache (jit._paths.cache_root: not the shared temporary directory, where
+    another user could plant a link or hold the lock), named by the database's path."""
     name = hashlib.sha1(str(Path(out).resolve()).encode()).hexdigest()[:16]
-    return file_lock(Path(tempfile.gettempdir()) / f"hipkern-tune-{name}.lock", f"saving tuning results into {out}")
+    locks = cache_root() / "tune-locks"
+    locks.mkdir(mode=0o700, exist_ok=True)
+    return file_lock(locks / f"{name}.lock", f"saving tuning results into {out}")
 
 
 def candidates_path(out) -> Path:
