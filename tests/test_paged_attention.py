@@ -341,6 +341,43 @@ def test_pinned_partition_sizes_on_two_streams(partition_size):
 
 
 @pytest.mark.gpu
+def test_torch_compile_with_dynamic_shapes():
+    """A full graph with symbolic sizes (dynamic=True, as serving engines compile a batch dimension): the sequences,
+    the table's width and the pool's blocks change between calls without a recompile's help, and LSE too."""
+    def f(q, k, v, bt, cl):
+        o, lse = hipkern.paged_attention_decode(q, k, v, bt, cl, return_lse=True)
+        return o * 2, lse
+
+    g = torch.compile(f, fullgraph=True, dynamic=True)
+    for lens in ([100, 900], [1, 17, 300, 2049, 64], [5000]):
+        case = make_case(lens, num_kv_heads=2, group=4, seed=len(lens))
+        q = case[0]
+        g(*case)  # (compiled at the first size); then the op's outputs from poisoned blocks
+        poison_next_alloc(q.device, (q.shape, q.dtype), (q.shape[:2], torch.float32))
+        out, lse = g(*case)
+        ref, ref_lse = paged_attention_ref(*case)
+        assert check_out(out / 2, ref, msg=f"{lens} ") == 0
+        assert checkAllclose(lse, ref_lse, msg=f"{lens} lse ", **LSE_TOL) == 0
+
+
+@pytest.mark.gpu
+def test_torch_compile_reduce_overhead():
+    """mode="reduce-overhead": inductor records the call in a CUDA graph (its tree of graphs) and replays it with new
+    inputs copied into its own buffers."""
+    def f(q, k, v, bt, cl):
+        return hipkern.paged_attention_decode(q, k, v, bt, cl) + 0
+
+    g = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    q, k, v, bt, cl = make_case([300, 1000, 5], num_kv_heads=2, group=8, extra_blocks=70)
+    for step in range(4):  # warm-up, record, then replays
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        q = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+        cl = torch.randint(1, bt.shape[1] * 16, cl.shape, generator=gen, device="cuda", dtype=torch.int32)
+        out = g(q, k, v, bt, cl).clone()  # (a replay's output is the graph's buffer: taken before the next)
+        assert check_out(out, paged_attention_ref(q, k, v, bt, cl)[0], msg=f"step {step} ") == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_deterministic(variant):
     q, k, v, bt, cl = make_case([3000, 77, 1500], num_kv_heads=4, group=8)
