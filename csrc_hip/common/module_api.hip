@@ -36,3 +36,21 @@ HK_EXPORT int hk_module_abi_version() { return 1; }
 HK_EXPORT int hk_wave_size() { return HK_WAVE_SIZE; }
 HK_EXPORT const char* hk_last_error() { return g_last_error; }
 
+// `bytes` of device memory on `device`, zeroed in order on `stream`, from the runtime rather than torch's caching
+// allocator: state a module keeps across eager calls (fused_moe's arrival counters) then never lands in a CUDA
+// graph's private pool (torch.compile's "reduce-overhead" warm-up routes the thread's allocations there) and never
+// belongs to a graph. Never freed: the caller keeps it for the process's life.
+HK_EXPORT int hk_alloc_zeroed(int device, int64_t bytes, void* stream, void** out) {
+  HK_REQUIRE(bytes > 0 && out != nullptr);
+  HK_TRY(hk::use_device(device));
+  void* p = nullptr;
+  HK_CHECK(hipMalloc(&p, (size_t)bytes));
+  hipError_t err = hipMemsetAsync(p, 0, (size_t)bytes, (hipStream_t)stream);
+  if (err != hipSuccess) {
+    (void)hipFree(p);
+    return hk::set_error((int)err, "hipMemsetAsync(p, 0, bytes, stream)", __FILE__, __LINE__);
+  }
+  *out = p;
+  return 0;
+}
+

@@ -105,6 +105,8 @@ MODULE_FAMILIES = {
         "functions": (
             # device, int64* partial_floats, int64* counter_ints (out)
             ("hk_fused_moe_workspace", "i32", ("i32", "ptr", "ptr")),
+            # device, bytes, stream, void** (out): zeroed memory outside torch's allocator (module_api.hip)
+            ("hk_alloc_zeroed", "i32", ("i32", "i64", "ptr", "ptr")),
             # device, routed, int32* out [9] (out): grid, columns per item, cluster pairs of the 3 GEMMs, as
             # launched with sorting outputs (routed 0) or routing in their blocks (1) (tests)
             ("hk_fused_moe_gemms", "i32", ("i32", "i32", "ptr")),

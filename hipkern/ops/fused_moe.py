@@ -269,14 +269,17 @@ def _routed_experts(w1, expert_map) -> int:
     return w1.shape[0] if expert_map is None else expert_map.shape[0]
 
 
-_counters: dict = {}
+_counters: dict = {}  # (device, stream, ints) -> address of zeroed ints from hk_alloc_zeroed, kept for the process
 
 
 def _workspace(mod, dev: int, device: torch.device):
     """(floats of split-K partials, arrival counters): the partials' size, the same for every call of the module
     on `dev` (the caller allocates them, fresh per call: graph-safe); the counters zero on entry, left zero by
-    every call, so kept per (device, stream). A call being captured into a CUDA graph gets its own zeroed
-    counters, made inside the graph."""
+    every call, so kept per (device, stream), as an address. A call being captured into a CUDA graph gets its own
+    zeroed counters, a tensor made inside the graph. The kept ones come from the runtime (hk_alloc_zeroed), not
+    torch's allocator: made by torch, the first eager call's counters landed in a graph's private pool where
+    torch.compile's "reduce-overhead" warm-up routes allocations, which it then refused as a live allocation it
+    does not track."""
     sizes = mod.__dict__.setdefault("_workspace_sizes", {})  # the module's sizes on a device, asked once
     if dev not in sizes:
         floats, ints = ctypes.c_int64(), ctypes.c_int64()
@@ -287,10 +290,15 @@ def _workspace(mod, dev: int, device: torch.device):
     floats, ints = sizes[dev]
     if torch.cuda.is_current_stream_capturing():  # never the stream's eager counters: a graph may replay
         return floats, torch.zeros((ints,), dtype=torch.int32, device=device)  # on any stream
-    key = (dev, raw_stream(dev), ints)
+    stream = raw_stream(dev)
+    key = (dev, stream, ints)
     counters = _counters.get(key)
     if counters is None:
-        counters = _counters[key] = torch.zeros((ints,), dtype=torch.int32, device=device)
+        addr = ctypes.c_void_p()
+        rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
+        if rc:
+            mod.check(rc, "fused_moe counters")
+        counters = _counters[key] = addr.value
     return floats, counters
 
 
@@ -307,6 +315,11 @@ def _block_route_pairs(mod, dev: int) -> int:
 
 def _ptr(t):
     return None if t is None else t.data_ptr()
+
+
+def _address(counters):
+    """_workspace's counters as the launcher takes them: a kept address, a tensor's (a capture's own), or None."""
+    return counters.data_ptr() if isinstance(counters, torch.Tensor) else counters
 
 
 # What a call launches, by what it depends on, in two memos: the variant and block_m (launch_choice) by the shapes,
@@ -383,7 +396,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         y, partials = ws.data_ptr() + y_at, ws.data_ptr() + partials_at
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
                           topk_ids.data_ptr(), _ptr(expert_map), *sorting, ws.data_ptr(), y, partials,
-                          _ptr(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
+                          _address(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
                           max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:
         mod.check(rc, "fused_moe")

@@ -62,6 +62,9 @@ typedef cudaStream_t hipStream_t;
 #define hipGetErrorString cudaGetErrorString
 #define hipGetDevice cudaGetDevice
 #define hipSetDevice cudaSetDevice
+#define hipMalloc cudaMalloc
+#define hipFree cudaFree
+#define hipMemsetAsync cudaMemsetAsync
 #define hipFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
 #define hipFuncGetAttributes(attr, f) cudaFuncGetAttributes(attr, f)
 #define hipFuncAttributes cudaFuncAttributes
