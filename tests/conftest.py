@@ -46,10 +46,14 @@ def toolchain_or_skip(arch: str, tmp_path: Path):
 @pytest.fixture
 def tuning_results(tmp_path, monkeypatch):
     """tmp_path/results/sm_90 for a test's tuning files, with HIPKERN_TUNING_DB unset and the loaded
-    tuning database forgotten before and after."""
+    tuning database forgotten before and after. Without a GPU (no module to load) HIPKERN_JIT_DIR, where the
+    tuner's save lock lives (core.files_lock), is the test's own unless set, not the user's cache."""
+    import torch
     from hipkern import tuning_db
 
     monkeypatch.delenv("HIPKERN_TUNING_DB", raising=False)
+    if not os.environ.get("HIPKERN_JIT_DIR") and not torch.cuda.is_available():
+        monkeypatch.setenv("HIPKERN_JIT_DIR", str(tmp_path / "jit"))
     tuning_db.reset()
     yield tmp_path / "results" / "sm_90"
     tuning_db.reset()

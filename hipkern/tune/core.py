@@ -28,6 +28,7 @@ by more than DEFAULT_MARGIN is preferred (prefer_default).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import datetime
@@ -279,6 +280,7 @@ def write_csv(path, rows, columns) -> None:
         raise
 
 
+@contextlib.contextmanager
 def files_lock(out):
     """An inter-process lock over the read-merge-write of a database file and its candidates file (save):
     two tuners saving into the same files take turns instead of losing each other's rows. The lock file
@@ -287,7 +289,12 @@ def files_lock(out):
     name = hashlib.sha1(str(Path(out).resolve()).encode()).hexdigest()[:16]
     locks = cache_root() / "tune-locks"
     locks.mkdir(mode=0o700, exist_ok=True)
-    return file_lock(locks / f"{name}.lock", f"saving tuning results into {out}")
+    path = locks / f"{name}.lock"
+    with file_lock(path, f"saving tuning results into {out}"):
+        try:
+            yield
+        finally:  # removed while held, so none pile up: a waiter on it finds it gone and takes a new one (file_lock)
+            path.unlink(missing_ok=True)
 
 
 def candidates_path(out) -> Path:

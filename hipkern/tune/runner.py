@@ -189,8 +189,11 @@ class Run:
 
 
 def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
-    """(jobs, summary): each shape's candidates to time (without those measured already with
-    --skip-done), its estimated seconds, and the totals printed before starting."""
+    """(jobs, summary): each shape's candidates to time, its estimated seconds, and the totals printed before
+    starting. With --skip-done, a shape's candidates measured already (usable, or rejected for a wrong result) are
+    not timed again, unless the shape has a candidate never measured on this GPU: then all of them are, so that
+    its choice compares times of one run (a new candidate's time against the incumbents' of an earlier run
+    compared two machines' or two runs' speeds: 2-5 % apart on one H200 kind, NOTES.md 2026-11-29 (19))."""
     schema, summary, done = adapter.schema, Summary(shapes=len(shapes)), {}
     measured = core._load(schema, candidates_path(out))
     db = core._load(schema, out)  # a malformed file fails here, before any GPU time is spent
@@ -202,10 +205,12 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
               f"(--skip-done) nor replaces them; to make them {kind[2]}'s, write the name of the GPU that timed them "
               "into their device column", flush=True)
     usable = {}  # shape key -> candidates with a usable row of this GPU
+    seen = {}  # shape key -> candidates with any row of this GPU
     for r in measured:
         if core.gpu_kind(r) != kind:
             continue
         key, name, ok = shape_key(schema, r), candidate_of(schema, r).name, core.usable(schema, r)
+        seen.setdefault(key, set()).add(name)
         if ok:
             usable.setdefault(key, set()).add(name)
         # (a candidate rejected for an error is measured again: the error may have been the machine's)
@@ -214,18 +219,20 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
     jobs, same, dominated = [], 0, 0
     for i, shape in enumerate(shapes):
         pr = adapter.candidates(shape, info)
-        cands = [c for c in pr.kept if c.name not in done.get(shape_key(schema, shape), ())]
+        key = shape_key(schema, shape)
+        new = [c for c in pr.kept if c.name not in seen.get(key, ())]
+        cands = pr.kept if new else [c for c in pr.kept if c.name not in done.get(key, ())]
         same, dominated = same + len(pr.same), dominated + len(pr.dominated)
         if pr.same or pr.dominated:
-            summary.retired[kind + shape_key(schema, shape)] = set(pr.same) | set(pr.dominated)
+            summary.retired[kind + key] = set(pr.same) | set(pr.dominated)
         if not cands:
             summary.skipped += 1
-            summary.complete.add(kind + shape_key(schema, shape))
+            summary.complete.add(kind + key)
             continue
         jobs.append({"i": i, "shape": shape, "cands": [[c.variant, [list(p) for p in c.params]] for c in cands],
                      "est": adapter.estimate_s(shape, cands, info),
                      # a usable row among the candidates this run does not measure again: a choice whatever it gets
-                     "chosen": bool(usable.get(shape_key(schema, shape), set()) - {c.name for c in cands})})
+                     "chosen": bool(usable.get(key, set()) - {c.name for c in cands})})
     summary.planned = sum(len(j["cands"]) for j in jobs)
     summary.estimate_s = sum(j["est"] for j in jobs)
     gpu = f"{info['arch']} ({info['cu_count']} CUs{', ' + info['device'] if info.get('device') else ''})"
