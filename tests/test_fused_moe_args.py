@@ -339,3 +339,50 @@ def test_decode_is_not_refused_by_the_grouped_gemms_work_item_bound(monkeypatch)
                                          "experts"):
         op._choice(0, torch.bfloat16, 1, dim, 8, 1024, 1, 8, "grouped")
 
+
+
+class _FakeCounterModule:
+    """hk_fused_moe_workspace and hk_alloc_zeroed as a fused_moe module exports them; the first `fail` allocations
+    fail (an out-of-memory outside torch's cache)."""
+
+    def __init__(self, fail=0):
+        self.fail, self.allocs = fail, []
+
+    def hk_fused_moe_workspace(self, dev, floats, ints):
+        floats._obj.value, ints._obj.value = 1000, 12
+        return 0
+
+    def hk_alloc_zeroed(self, dev, nbytes, stream, out):
+        self.allocs.append((dev, nbytes, stream))
+        if len(self.allocs) <= self.fail:
+            return 2
+        out._obj.value = 0x1000 * len(self.allocs)
+        return 0
+
+    def check(self, rc, op):
+        raise RuntimeError(f"hipkern {op}: out of memory")
+
+
+def test_kept_counters_come_from_the_runtime_once_per_device_and_stream(monkeypatch):
+    """Eager calls keep their counters per (device, stream) as addresses from hk_alloc_zeroed (not torch's allocator,
+    whose blocks may lie in a CUDA graph's pool); a failed allocation is tried again once after torch's cache is
+    emptied, then raises; a call being captured gets a zeroed tensor of its own."""
+    import sys
+
+    op = sys.modules["hipkern.ops.fused_moe"]
+    monkeypatch.setattr(op, "_counters", {})
+    monkeypatch.setattr(op, "raw_stream", lambda dev: 0xABC + dev)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    mod = _FakeCounterModule(fail=1)
+    assert op._workspace(mod, 0, torch.device("cpu")) == (1000, 0x2000)
+    assert mod.allocs == [(0, 48, 0xABC), (0, 48, 0xABC)] and emptied == [1]
+    assert op._workspace(mod, 0, torch.device("cpu")) == (1000, 0x2000) and len(mod.allocs) == 2  # kept
+    assert op._workspace(mod, 1, torch.device("cpu"))[1] == 0x3000  # another device (and its stream)
+    with pytest.raises(RuntimeError, match="fused_moe counters: out of memory"):
+        op._workspace(_FakeCounterModule(fail=2), 2, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    floats, counters = op._workspace(mod, 0, torch.device("cpu"))
+    assert isinstance(counters, torch.Tensor) and counters.shape == (12,) and not counters.any()
+    assert op._address(counters) == counters.data_ptr() and op._address(0x2000) == 0x2000

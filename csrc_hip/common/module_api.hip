@@ -44,11 +44,14 @@ HK_EXPORT int hk_alloc_zeroed(int device, int64_t bytes, void* stream, void** ou
   HK_REQUIRE(bytes > 0 && out != nullptr);
   HK_TRY(hk::use_device(device));
   void* p = nullptr;
-  HK_CHECK(hipMalloc(&p, (size_t)bytes));
-  hipError_t err = hipMemsetAsync(p, 0, (size_t)bytes, (hipStream_t)stream);
+  hipError_t err = hipMalloc(&p, (size_t)bytes);
+  if (err == hipSuccess) {
+    err = hipMemsetAsync(p, 0, (size_t)bytes, (hipStream_t)stream);
+    if (err != hipSuccess) (void)hipFree(p);
+  }
   if (err != hipSuccess) {
-    (void)hipFree(p);
-    return hk::set_error((int)err, "hipMemsetAsync(p, 0, bytes, stream)", __FILE__, __LINE__);
+    (void)hipGetLastError();  // (not left for the next launch's check to report as its own failure)
+    return hk::set_error((int)err, "hipMalloc / hipMemsetAsync of zeroed memory", __FILE__, __LINE__);
   }
   *out = p;
   return 0;

@@ -296,6 +296,9 @@ def _workspace(mod, dev: int, device: torch.device):
     if counters is None:
         addr = ctypes.c_void_p()
         rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
+        if rc:  # (out of memory outside torch's cache, say: torch's allocator would have freed its cached blocks)
+            torch.cuda.empty_cache()
+            rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
         if rc:
             mod.check(rc, "fused_moe counters")
         counters = _counters[key] = addr.value
