@@ -172,8 +172,7 @@ def _device_libs(rocm_path: str, arch: str, cache_dir: Path) -> str | None:
     if not (llvm_bin and llvm_as):
         raise JitError(f"deriving {target.name} for {arch} needs llvm-dis and llvm-as (package llvm-19)")
     try:
-        lock = file_lock(cache_dir / f"rocm-device-libs-{arch}.lock", f"device libraries for {arch}")
-        with lock:
+        with file_lock(cache_dir / f"rocm-device-libs-{arch}.lock", f"device libraries for {arch}"):
             if target.is_file():  # made by another process while we waited
                 return str(dest)
             for stale in cache_dir.glob(f"{dest.name}.tmp*"):  # under the lock: killed derivations' copies

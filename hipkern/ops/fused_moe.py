@@ -317,12 +317,8 @@ def _block_route_pairs(mod, dev: int) -> int:
 
 
 def _ptr(t):
-    return None if t is None else t.data_ptr()
-
-
-def _address(counters):
-    """_workspace's counters as the launcher takes them: a kept address, a tensor's (a capture's own), or None."""
-    return counters.data_ptr() if isinstance(counters, torch.Tensor) else counters
+    """The address the launcher takes: a tensor's, an address as it is (_workspace's kept counters), or None."""
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t
 
 
 # What a call launches, by what it depends on, in two memos: the variant and block_m (launch_choice) by the shapes,
@@ -399,7 +395,7 @@ def _launch_here(hidden_states, w1, w2, topk_weights, topk_ids, activation, expe
         y, partials = ws.data_ptr() + y_at, ws.data_ptr() + partials_at
     rc = mod.hk_fused_moe(hidden_states.data_ptr(), w1.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
                           topk_ids.data_ptr(), _ptr(expert_map), *sorting, ws.data_ptr(), y, partials,
-                          _address(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
+                          _ptr(counters), out.data_ptr(), num_tokens, topk, num_experts, e_local, dim, inter,
                           max_padded, ACTIVATIONS[activation], _VARIANT_CODES[variant], dev, raw_stream(dev))
     if rc:
         mod.check(rc, "fused_moe")

@@ -220,7 +220,7 @@ def plan(adapter, shapes, out, info, skip_done: bool) -> tuple:
     for i, shape in enumerate(shapes):
         pr = adapter.candidates(shape, info)
         key = shape_key(schema, shape)
-        new = [c for c in pr.kept if c.name not in seen.get(key, ())]
+        new = any(c.name not in seen.get(key, ()) for c in pr.kept)
         cands = pr.kept if new else [c for c in pr.kept if c.name not in done.get(key, ())]
         same, dominated = same + len(pr.same), dominated + len(pr.dominated)
         if pr.same or pr.dominated:
