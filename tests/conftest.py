@@ -10,6 +10,7 @@ pytest.register_assert_rewrite("moe_cases", "pa_cases")
 
 from hipkern.jit.platform import JitError  # noqa: E402
 from hipkern.jit.toolchain import find_toolchain  # noqa: E402
+from hipkern.testing import poison_next_alloc  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # CI sets this: a missing compiler is then a failure, not a skip.
@@ -31,6 +32,33 @@ def sm90_build() -> bool:
     an H100 through their PTX, without any of those (`bash .ci/gpu sm80`)."""
     from hipkern import jit
     return jit.current_arch() == "sm_90"
+
+
+def derived_device_libs_or_skip(tmp_path: Path, cache: Path) -> tuple:
+    """(ROCm path, gfx942's device-library folder derived into `cache`), or skip where the libraries support gfx942
+    as they are (nothing derived) or there is no HIP toolchain."""
+    from hipkern.jit import toolchain
+
+    toolchain_or_skip("gfx942", tmp_path)
+    clang, rocm = toolchain._find_hip_clang()
+    cache.mkdir(parents=True, exist_ok=True)  # (the cache directory, which exists when a build asks)
+    libs = toolchain._device_libs(rocm, "gfx942", cache)
+    if not libs.startswith(str(cache)):
+        pytest.skip("these device libraries support gfx942 as they are: nothing is derived")
+    return rocm, Path(libs)
+
+
+def poison_routing_outputs(device, t: int, k: int) -> None:
+    """A routing op's functional outputs (float32 weights and int32 ids, [t, k]) from poisoned blocks."""
+    poison_next_alloc(device, ((t, k), torch.float32), ((t, k), torch.int32))
+
+
+def poison_sorting_outputs(device, num_pairs: int, num_experts: int, block_m: int) -> None:
+    """moe_sorting's functional outputs (sorted ids, expert ids, count) from poisoned blocks."""
+    from hipkern.ops.moe_sorting import moe_sorting_max_padded
+
+    n = moe_sorting_max_padded(num_pairs, num_experts, block_m)
+    poison_next_alloc(device, ((n,), torch.int32), ((n // block_m,), torch.int32), ((1,), torch.int32))
 
 
 def toolchain_or_skip(arch: str, tmp_path: Path):

@@ -385,4 +385,4 @@ def test_kept_counters_come_from_the_runtime_once_per_device_and_stream(monkeypa
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     floats, counters = op._workspace(mod, 0, torch.device("cpu"))
     assert isinstance(counters, torch.Tensor) and counters.shape == (12,) and not counters.any()
-    assert op._address(counters) == counters.data_ptr() and op._address(0x2000) == 0x2000
+    assert op._ptr(counters) == counters.data_ptr() and op._ptr(0x2000) == 0x2000 and op._ptr(None) is None

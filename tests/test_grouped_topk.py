@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import hipkern
-from conftest import launch_piece_rows, routing_out_overlaps
+from conftest import launch_piece_rows, poison_routing_outputs, routing_out_overlaps
 from hipkern.reference import grouped_topk_ref, grouped_topk_scores_ref
-from hipkern.testing import checkAllclose, poison, poison_next_alloc
+from hipkern.testing import checkAllclose, poison
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL, ATOL = 1e-5, 1e-6  # float32 kernel vs float64 reference
@@ -147,7 +147,7 @@ def test_deepseek_v3_shape_many_tokens(dtype, t):
     w, ids = _run(x, bias, 8, 8, 4, routed_scaling_factor=2.5)
     _check(x, bias, 8, 8, 4, w, ids, scale=2.5)
     # The bias changes the choice for many tokens (it is used), but never the weights' source.
-    poison_next_alloc(x.device, ((t, 8), torch.float32), ((t, 8), torch.int32))  # outputs from the allocator
+    poison_routing_outputs(x.device, t, 8)  # outputs from the allocator
     w0, ids0 = hipkern.grouped_topk(x, None, 8, 8, 4, routed_scaling_factor=2.5)
     assert (ids0 != ids).any(dim=1).float().mean() > 0.5
     _check(x, None, 8, 8, 4, w0, ids0, scale=2.5)
@@ -264,7 +264,7 @@ def test_zero_tokens_and_side_stream():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # the side stream's pool: its next blocks of these sizes come back poisoned
-        poison_next_alloc(x.device, ((4096, 8), torch.float32), ((4096, 8), torch.int32))
+        poison_routing_outputs(x.device, 4096, 8)
         w, ids = hipkern.grouped_topk(x, bias, 8, 8, 4)
     torch.cuda.current_stream().wait_stream(s)
     _check(x, bias, 8, 8, 4, w, ids)
@@ -315,7 +315,7 @@ def test_torch_compile(group_scoring):
     for t in (16, 33):
         x = _logits(t, 32, torch.float16)
         compiled(x, bias)  # compiled; then the op's outputs from poisoned blocks
-        poison_next_alloc(x.device, ((t, 4), torch.float32), ((t, 4), torch.int32))
+        poison_routing_outputs(x.device, t, 4)
         w, ids = compiled(x, bias)
         _check(x, bias, 4, 4, 2, w / 2, ids, scale=2.0, group_scoring=group_scoring)
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import hipkern
-from hipkern.ops.moe_sorting import moe_sorting_max_padded
 from hipkern.reference import moe_sorting_ref
 from hipkern.testing import poison_next_alloc
 
+from conftest import poison_routing_outputs, poison_sorting_outputs
 from moe_cases import make_case
 from moe_cases import run_and_check as moe_run_and_check
 from pa_cases import make_case as make_pa_case
@@ -24,14 +24,13 @@ pytestmark = pytest.mark.gpu
 def _every_op(logits, bias, ids, moe_case, pa_case, tag):
     """Each op once, checked against its reference (outputs poisoned where the helpers poison them)."""
     t, dev = logits.shape[0], logits.device
-    poison_next_alloc(dev, ((t, 4), torch.float32), ((t, 4), torch.int32))  # each op's outputs: unwritten shows
+    poison_routing_outputs(dev, t, 4)  # each op's outputs: unwritten shows
     w, i = hipkern.topk_softmax(logits, 4)
     softmax_check(logits, 4, True, w, i)
-    poison_next_alloc(dev, ((t, 4), torch.float32), ((t, 4), torch.int32))
+    poison_routing_outputs(dev, t, 4)
     gw, gi = hipkern.grouped_topk(logits, bias, 4, 8, 2)
     grouped_check(logits, bias, 4, 8, 2, gw, gi)
-    n = moe_sorting_max_padded(ids.numel(), 64, 16)
-    poison_next_alloc(dev, ((n,), torch.int32), ((n // 16,), torch.int32), ((1,), torch.int32))
+    poison_sorting_outputs(dev, ids.numel(), 64, 16)
     for got, want in zip(hipkern.moe_sorting(ids, 64, 16), moe_sorting_ref(ids, 64, 16)):
         assert torch.equal(got, want), f"{tag} moe_sorting"
     out = moe_run_and_check(*moe_case, msg=tag)

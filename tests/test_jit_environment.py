@@ -4,11 +4,10 @@ libraries, the derived library made again, a lock path that is a link. CPU only;
 or clang-19."""
 import errno
 import os
-from pathlib import Path
 
 import pytest
 
-from conftest import tiny_spec, toolchain_or_skip
+from conftest import derived_device_libs_or_skip, tiny_spec, toolchain_or_skip
 from hipkern import jit
 from hipkern.jit import _lock, toolchain
 from hipkern.jit.platform import JitError
@@ -62,20 +61,10 @@ def test_compilers_linked_to_one_program_are_asked_their_version_apart(tmp_path,
     assert toolchain._version(str(tmp_path / "clang++-19")) == "clang++-19 version 1.0"
 
 
-def _derived_or_skip(tmp_path, cache):
-    toolchain_or_skip("gfx942", tmp_path)
-    clang, rocm = toolchain._find_hip_clang()
-    cache.mkdir(exist_ok=True)
-    libs = toolchain._device_libs(rocm, "gfx942", cache)
-    if not libs.startswith(str(cache)):
-        pytest.skip("these device libraries support gfx942 as they are: nothing is derived")
-    return rocm, Path(libs)
-
-
 def test_a_cache_that_cannot_take_the_device_libraries_lock_is_a_jit_error(tmp_path, monkeypatch):
     """The derivation's lock in a read-only cache raised a bare OSError (EROFS) out of find_toolchain, where a
     module's own build says what to do."""
-    rocm, _ = _derived_or_skip(tmp_path, tmp_path / "probe")
+    rocm, _ = derived_device_libs_or_skip(tmp_path, tmp_path / "probe")
 
     def read_only(path, what):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
@@ -91,7 +80,7 @@ def test_the_derived_device_library_made_again_keeps_the_modules_keys(tmp_path):
     """The derived ISA library was fingerprinted by its time: derived again (the folder deleted, a cache copied
     without times) with the same bytes, every gfx942 module's key changed and every module was built again."""
     cache = tmp_path / "cache"
-    _, libs = _derived_or_skip(tmp_path, cache)
+    _, libs = derived_device_libs_or_skip(tmp_path, cache)
     before = toolchain.find_toolchain("gfx942", cache).version
     derived = libs / "oclc_isa_version_942.bc"
     st = derived.stat()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_spec, toolchain_or_skip
+from conftest import derived_device_libs_or_skip, tiny_spec, toolchain_or_skip
 from hipkern import jit
 from hipkern.jit import _lock, _paths, builder, toolchain
 from hipkern.jit.platform import JitError
@@ -220,14 +220,9 @@ def test_nvcc_ccbin_s_version_is_in_the_cuda_toolchain_s_version(tmp_path, monke
 def test_a_killed_device_library_derivation_s_copy_is_removed(tmp_path):
     """gfx942 on Debian's ROCm libraries derives its ISA-version file into a private copy; a copy left by a
     killed process (another pid) is removed by the next derivation."""
-    toolchain_or_skip("gfx942", tmp_path)
-    clang, rocm = toolchain._find_hip_clang()
-    (tmp_path / "one").mkdir()  # (the cache directory, which exists when a build asks)
-    first = toolchain._device_libs(rocm, "gfx942", tmp_path / "one")
-    if not first.startswith(str(tmp_path)):
-        pytest.skip("these device libraries support gfx942 as they are: nothing is derived")
+    rocm, first = derived_device_libs_or_skip(tmp_path, tmp_path / "one")
     fresh = tmp_path / "two"
-    stale = fresh / f"{Path(first).name}.tmp99999999"
+    stale = fresh / f"{first.name}.tmp99999999"
     stale.mkdir(parents=True)
     (stale / "ockl.bc").write_bytes(b"partial")
     derived = toolchain._device_libs(rocm, "gfx942", fresh)

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import hipkern
-from conftest import toolchain_or_skip
+from conftest import poison_sorting_outputs, toolchain_or_skip
 from hipkern import jit
 from hipkern.ops.moe_sorting import moe_sorting_max_padded
 from hipkern.reference import moe_sorting_ref
-from hipkern.testing import poison, poison_next_alloc
+from hipkern.testing import poison
 
 ONE_BLOCK_MAX_PAIRS = 4096  # csrc_hip/moe_sorting: larger inputs take the multi-block path (checked below)
 
@@ -46,8 +46,7 @@ def test_matches_reference(e, bm):
                 continue
             ids = _routing(t, k, e)
             _check(ids, e, bm, _run(ids, e, bm))
-            n = moe_sorting_max_padded(t * k, e, bm)  # outputs from the allocator, poisoned first
-            poison_next_alloc(ids.device, ((n,), torch.int32), ((n // bm,), torch.int32), ((1,), torch.int32))
+            poison_sorting_outputs(ids.device, t * k, e, bm)  # outputs from the allocator, poisoned first
             functional = hipkern.moe_sorting(ids, e, bm)
             _check(ids, e, bm, functional)
 
@@ -328,8 +327,7 @@ def test_torch_compile():
     for t in (16, 33):
         ids = _routing(t, 4, 64)
         compiled(ids)  # compiled; then the op's outputs from poisoned blocks
-        n = moe_sorting_max_padded(t * 4, 64, 16)
-        poison_next_alloc(ids.device, ((n,), torch.int32), ((n // 16,), torch.int32), ((1,), torch.int32))
+        poison_sorting_outputs(ids.device, t * 4, 64, 16)
         _check(ids, 64, 16, compiled(ids))
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import hipkern
-from conftest import launch_piece_rows, routing_out_overlaps
+from conftest import launch_piece_rows, poison_routing_outputs, routing_out_overlaps
 from hipkern.reference import topk_softmax_ref
-from hipkern.testing import checkAllclose, poison, poison_next_alloc
+from hipkern.testing import checkAllclose, poison
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Weights are float32 arithmetic on both sides; only exp/sum rounding differs.
@@ -66,7 +66,7 @@ def test_matches_reference_large(dtype, t, e, k):
     torch.manual_seed(t + e)
     x = _logits(t, e, dtype)
     _check(x, k, True, *_run(x, k, True))
-    poison_next_alloc(x.device, ((t, k), torch.float32), ((t, k), torch.int32))  # not the last call's buffers
+    poison_routing_outputs(x.device, t, k)  # not the last call's buffers
     w, ids = hipkern.topk_softmax(x, k, False)  # the functional form, outputs from the allocator
     _check(x, k, False, w, ids)
 
@@ -163,7 +163,7 @@ def test_zero_tokens_and_side_stream():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # the side stream's pool: its next blocks of these sizes come back poisoned
-        poison_next_alloc(x.device, ((4096, 8), torch.float32), ((4096, 8), torch.int32))
+        poison_routing_outputs(x.device, 4096, 8)
         w, ids = hipkern.topk_softmax(x, 8)
     torch.cuda.current_stream().wait_stream(s)
     _check(x, 8, True, w, ids)
@@ -208,7 +208,7 @@ def test_torch_compile():
     for t in (16, 33):
         x = _logits(t, 32, torch.float16)
         compiled(x)  # compiled; then the op's outputs from poisoned blocks
-        poison_next_alloc(x.device, ((t, 4), torch.float32), ((t, 4), torch.int32))
+        poison_routing_outputs(x.device, t, 4)
         w, ids = compiled(x)
         _check(x, 4, True, w / 2, ids)
 
