@@ -363,6 +363,42 @@ class _FakeCounterModule:
         raise RuntimeError(f"hipkern {op}: out of memory")
 
 
+def test_threads_first_calls_on_one_stream_keep_one_allocation(monkeypatch):
+    """Eight threads make their first eager call on one stream at once (the allocation releases the GIL, as
+    ctypes does): one allocation, kept and used by all; before, each thread allocated and all but the last
+    address were lost for the process."""
+    import sys
+    import threading
+    import time
+
+    op = sys.modules["hipkern.ops.fused_moe"]
+    monkeypatch.setattr(op, "_counters", {})
+    monkeypatch.setattr(op, "raw_stream", lambda dev: 0xABC)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    class SlowAlloc(_FakeCounterModule):
+        def hk_alloc_zeroed(self, dev, nbytes, stream, out):
+            time.sleep(0.2)  # the other threads run meanwhile
+            return super().hk_alloc_zeroed(dev, nbytes, stream, out)
+
+    mod, barrier, got = SlowAlloc(), threading.Barrier(8), []
+    op._workspace(mod, 0, torch.device("cpu"))  # the sizes asked once, so that only the counters race
+    op._counters.clear()
+    mod.allocs.clear()
+
+    def first_call():
+        barrier.wait(timeout=10)
+        got.append(op._workspace(mod, 0, torch.device("cpu"))[1])
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 8 and len(mod.allocs) == 1, (got, mod.allocs)
+    assert set(got) == {op._counters[(0, 0xABC, 12)]}
+
+
 def test_kept_counters_come_from_the_runtime_once_per_device_and_stream(monkeypatch):
     """Eager calls keep their counters per (device, stream) as addresses from hk_alloc_zeroed (not torch's allocator,
     whose blocks may lie in a CUDA graph's pool); a failed allocation is tried again once after torch's cache is

@@ -5,6 +5,7 @@ csrc_hip/fused_moe/)."""
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -270,6 +271,7 @@ def _routed_experts(w1, expert_map) -> int:
 
 
 _counters: dict = {}  # (device, stream, ints) -> address of zeroed ints from hk_alloc_zeroed, kept for the process
+_counters_lock = threading.Lock()
 
 
 def _workspace(mod, dev: int, device: torch.device):
@@ -294,15 +296,22 @@ def _workspace(mod, dev: int, device: torch.device):
     key = (dev, stream, ints)
     counters = _counters.get(key)
     if counters is None:
-        addr = ctypes.c_void_p()
-        rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
-        if rc:  # (out of memory outside torch's cache, say: torch's allocator would have freed its cached blocks)
-            torch.cuda.empty_cache()
-            rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
-        if rc:
-            mod.check(rc, "fused_moe counters")
-        counters = _counters[key] = addr.value
+        with _counters_lock:  # threads' first calls on one stream at once: one allocation, not one lost per thread
+            counters = _counters.get(key)
+            if counters is None:
+                counters = _counters[key] = _alloc_counters(mod, dev, ints, stream)
     return floats, counters
+
+
+def _alloc_counters(mod, dev: int, ints: int, stream: int) -> int:
+    addr = ctypes.c_void_p()
+    rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
+    if rc:  # (out of memory outside torch's cache, say: torch's allocator would have freed its cached blocks)
+        torch.cuda.empty_cache()
+        rc = mod.hk_alloc_zeroed(dev, 4 * ints, stream, ctypes.byref(addr))
+    if rc:
+        mod.check(rc, "fused_moe counters")
+    return addr.value
 
 
 def _block_route_pairs(mod, dev: int) -> int:
