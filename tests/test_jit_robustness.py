@@ -125,6 +125,91 @@ def test_threads_waiting_for_one_lock_share_one_timeout(tmp_path, monkeypatch):
     assert len(ends) == 3 and max(ends) < 1.8, ends
 
 
+def _threads_loading(n, spec, monkeypatch, compile_fn=None):
+    """n threads' first jit.load of `spec` at once (toolchain and key faked; `compile_fn` as builder._compile):
+    [(the JitError's text or "loaded", seconds)] in the order they ended."""
+    monkeypatch.setattr(builder, "find_toolchain", lambda arch, root: object())
+    monkeypatch.setattr(builder, "module_key", lambda spec, arch, tc: "0" * 20)
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_load_failures", {}, raising=False)  # (a fresh process)
+    if compile_fn:
+        monkeypatch.setattr(builder, "_compile", compile_fn)
+    t0, ends, barrier = time.monotonic(), [], threading.Barrier(n)
+
+    def call():
+        barrier.wait(timeout=10)
+        try:
+            jit.load(spec, "sm_90")
+            ends.append(("loaded", time.monotonic() - t0))
+        except JitError as e:
+            ends.append((str(e), time.monotonic() - t0))
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return sorted(ends, key=lambda e: e[1])
+
+
+def test_threads_loading_one_module_share_one_lock_timeout(jit_dir, monkeypatch):
+    """Three threads' first load of a module whose build lock another process holds all time out after one
+    HIPKERN_JIT_LOCK_TIMEOUT (they queued on jit.load's own lock, then each waited a timeout of its own in the
+    file lock: 1x, 2x, 3x)."""
+    import fcntl
+
+    monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", "1")
+    spec = jit.spec("topk_softmax", dtype="float32")
+    arch_dir = builder.cache_root() / "sm_90"
+    arch_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    held = os.open(arch_dir / f"{spec.name}-{'0' * 20}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file: flock treats it as another process
+    try:
+        ends = _threads_loading(3, spec, monkeypatch)
+    finally:
+        os.close(held)
+    # the first thread's error, or (ending as it does) a waiting thread's own timeout behind it
+    assert len(ends) == 3 and all("timed out after 1s waiting for" in e for e, _ in ends), ends
+    assert max(t for _, t in ends) < 1.8, ends
+
+
+def test_threads_behind_a_failed_build_get_its_error_not_a_build_each(jit_dir, monkeypatch):
+    """Four threads' first load of a module whose build fails: one compile, its error raised in every thread (each
+    thread compiled again, one after another); a later call, not waiting on that build, tries again."""
+    compiles = []
+
+    def failing_compile(spec, arch, toolchain, final_dir, key):
+        compiles.append(threading.get_ident())
+        time.sleep(0.3)
+        raise JitError("building the module failed (faked)")
+
+    spec = jit.spec("topk_softmax", dtype="float16")
+    ends = _threads_loading(4, spec, monkeypatch, failing_compile)
+    assert len(compiles) == 1 and len(ends) == 4, (compiles, ends)
+    assert all("building the module failed (faked)" in e for e, _ in ends), ends
+    with pytest.raises(JitError, match="faked"):
+        jit.load(spec, "sm_90")
+    assert len(compiles) == 2
+
+
+def test_a_thread_behind_a_long_load_times_out_with_what_it_waited_for(jit_dir, monkeypatch):
+    """A thread queued behind another thread's load of the same module waits at most HIPKERN_JIT_LOCK_TIMEOUT, then
+    says so; the first thread's load is not disturbed."""
+    monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", "0.5")
+    started = threading.Event()
+
+    def slow_compile(spec, arch, toolchain, final_dir, key):
+        started.set()
+        time.sleep(1.5)
+        raise JitError("slow build done (faked)")
+
+    spec = jit.spec("topk_softmax", dtype="bfloat16")
+    ends = _threads_loading(2, spec, monkeypatch, slow_compile)
+    assert [e.split(" (")[0] if "timed out" in e else e for e, _ in ends] == [
+        "timed out after 0s waiting for another thread of this process, which loads topk_softmax_bfloat16 for "
+        "sm_90", "slow build done (faked)"], ends
+
+
 def test_a_long_wait_for_a_lock_is_said_once(tmp_path, monkeypatch, caplog):
     import fcntl
 
