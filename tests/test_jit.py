@@ -587,6 +587,36 @@ def test_module_override_is_what_module_for_returns_then_is_undone():
     assert not any(k[0] == "fake_family" for k in _common._modules)
 
 
+def test_module_override_entered_during_another_thread_s_first_load_stands(monkeypatch):
+    """A thread's first module_for is still loading when an override of the same module is entered: the load's
+    end does not replace the override (it stored the loaded module over it), and the override's exit leaves no
+    entry behind."""
+    import threading
+
+    from hipkern.ops import _common
+
+    loading, release, real, diag = threading.Event(), threading.Event(), object(), object()
+
+    def slow_load(spec, arch):
+        loading.set()
+        assert release.wait(10)
+        return real
+
+    monkeypatch.setattr(_common.jit, "load", slow_load)
+    monkeypatch.setattr(_common.jit, "spec", lambda family, **params: (family, params))
+    monkeypatch.setattr(_common.jit.platform, "load_arch", lambda device_index: "sm_90")
+    got = []
+    t = threading.Thread(target=lambda: got.append(_common.module_for("fake_family", 9, dtype="float16")))
+    t.start()
+    assert loading.wait(10)
+    with _common.module_override(diag, "fake_family", 9, dtype="float16"):
+        release.set()
+        t.join(10)
+        assert _common.module_for("fake_family", 9, dtype="float16") is diag
+    assert got == [diag]
+    assert not any(k[0] == "fake_family" for k in _common._modules)
+
+
 def test_resource_reports_carry_local_memory():
     """The build logs' local memory (ptxas' stack frame, clang's scratch per lane) reaches the resource rows that
     test_every_shipped_module_builds_and_loads checks, beside the spills."""

@@ -290,8 +290,8 @@ def module_for(family: str, device_index: int, **params) -> jit.Module:
     key = _module_key(family, device_index, params)
     mod = _modules.get(key)
     if mod is None:
-        mod = jit.load(jit.spec(family, **params), jit.platform.load_arch(device_index))
-        _modules[key] = mod
+        loaded = jit.load(jit.spec(family, **params), jit.platform.load_arch(device_index))
+        mod = _modules.setdefault(key, loaded)  # (a module_override entered during the load stands)
     return mod
 
 
@@ -324,7 +324,8 @@ def check_routing_apart(weights, ids, **inputs) -> None:
 @contextlib.contextmanager
 def module_override(mod: jit.Module, family: str, device_index: int, **params):
     """Within the block, module_for(family, device_index, **params) returns `mod` (a diagnostic build of
-    the same module, say); the module cached before, if any, is restored after it."""
+    the same module, say); the module cached before, if any, is restored after it. Process-wide: every
+    thread's calls see it, and overrides of one module in several threads must not overlap."""
     key = _module_key(family, device_index, params)
     before = _modules.get(key)
     _modules[key] = mod
