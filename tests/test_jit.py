@@ -442,11 +442,11 @@ def test_lock_timeout_that_is_not_a_number_of_seconds_is_a_clear_error(tmp_path,
                                                      "expected a number >= 0")):
             with file_lock(lock, "testing"):
                 pytest.fail("took the lock")
-    from hipkern.jit._lock import lock_timeout
+    from hipkern.jit._lock import _timeout
     for good, seconds in (("0", 0.0), ("2.5", 2.5), ("1e3", 1000.0), (" 30 ", 30.0), ("inf", float("inf")),
                           ("", 1800.0)):  # "" is unset: the default
         monkeypatch.setenv("HIPKERN_JIT_LOCK_TIMEOUT", good)
-        assert lock_timeout() == seconds
+        assert _timeout() == seconds
         with file_lock(lock, "testing"):
             pass
 

@@ -25,7 +25,7 @@ TELL_AFTER_S = 5.0
 @contextlib.contextmanager
 def file_lock(path, what: str):
     """Hold `path` flock'ed; one HIPKERN_JIT_LOCK_TIMEOUT for the whole wait, the other threads' turns included."""
-    timeout = lock_timeout()
+    timeout = _timeout()
     deadline = time.monotonic() + timeout
     with _guard:
         tlock = _thread_locks.setdefault(str(path), threading.Lock())
@@ -64,7 +64,7 @@ def _same_file(fd, path) -> bool:
         return False
 
 
-def lock_timeout() -> float:
+def _timeout() -> float:
     """HIPKERN_JIT_LOCK_TIMEOUT: the seconds to wait for a lock (default 1800); anything else is a JitError."""
     value = os.environ.get("HIPKERN_JIT_LOCK_TIMEOUT") or "1800"
     try:

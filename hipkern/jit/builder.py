@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._lock import file_lock, lock_timeout
+from ._lock import file_lock
 from ._paths import cache_root, check_private
 from .modules import ModuleSpec
 from .platform import JitError, check_arch, current_arch, platform_of
@@ -46,7 +46,7 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_int64, "
 _loaded: dict = {}
 _rebuilt: set = set()
 _load_locks: dict = {}  # (spec, arch) -> lock: a build blocks only loads of the same module
-_load_failures: dict = {}  # (spec, arch) -> (failed loads, the last one's JitError)
+_load_failures: dict = {}  # (spec, arch) -> (failed loads, the last one's JitError's text)
 _mutex = threading.Lock()
 
 
@@ -296,9 +296,8 @@ class Module:
 def load(spec: ModuleSpec, arch: str | None = None) -> Module:
     """The loaded module for `spec` on `arch`, built first if the cache lacks it. Memoised.
 
-    Threads of this process loading one module queue behind the first, for at most HIPKERN_JIT_LOCK_TIMEOUT;
-    a JitError of the load they waited on (a failed build, a timed-out lock) is theirs too, not one more build
-    each, one after another."""
+    Threads of this process loading one module queue behind the first; a JitError of the load a thread waited for
+    (a failed build, a timed-out lock) is raised in it too, rather than one more build each, one after another."""
     arch = check_arch(arch) if arch else current_arch()
     key = (spec, arch)  # the whole spec: a name with other defines or sources is another module
     mod = _loaded.get(key)
@@ -306,25 +305,19 @@ def load(spec: ModuleSpec, arch: str | None = None) -> Module:
         return mod
     with _mutex:
         lock = _load_locks.setdefault(key, threading.Lock())
-        failed_before = _load_failures.get(key, (0, None))[0]
-    timeout = lock_timeout()
-    if not lock.acquire(timeout=-1 if timeout >= threading.TIMEOUT_MAX else timeout):
-        raise JitError(f"timed out after {timeout:.0f}s waiting for another thread of this process, which loads "
-                       f"{spec.name} for {arch} (HIPKERN_JIT_LOCK_TIMEOUT)")
-    try:
+        failed_before = _load_failures.get(key, (0, ""))[0]
+    with lock:
         mod = _loaded.get(key)
         if mod is None:
-            failed, error = _load_failures.get(key, (0, None))
+            failed, message = _load_failures.get(key, (0, ""))
             if failed > failed_before:  # the load this thread waited for failed
-                raise JitError(str(error)) from error
+                raise JitError(message)
             try:
                 platform_of(arch)
                 mod = _loaded[key] = load_built(spec, arch, build(spec, arch))
             except JitError as e:
-                _load_failures[key] = (failed + 1, e)
+                _load_failures[key] = (failed + 1, str(e))  # (the text: the error's frames hold the caller's tensors)
                 raise
-    finally:
-        lock.release()
     return mod
 
 
