@@ -3,8 +3,8 @@ them: in a fresh process (the first call of each op, which loads its module and 
 several threads at once), behind a barrier, each thread on its own CUDA stream (or all on one shared stream), each
 op several times on the thread's own random inputs, into NaN-poisoned out= tensors; every result is checked against
 the reference once the device is synchronised. fused_moe runs once as the database chooses and once on the grouped
-chain whose GEMMs split K (every token on the same 2 experts, a long reduction: test_fused_moe_splits), so the kept
-split-K counters of each (device, stream) are made and used by several threads."""
+chain whose GEMMs split K (every token on the same 2 experts, a long reduction: test_fused_moe_splits), so each
+thread's first call makes kept split-K counters: for its own stream, or (one shared stream) for all of them at once."""
 import os
 import subprocess
 import sys
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 THREADS, REPS = 8, 3
 
 CODE = """
-import sys, threading, traceback
+import sys, threading, time, traceback
 import torch, hipkern
 from hipkern.reference import moe_sorting_ref
 from hipkern.testing import checkAllclose, poison
@@ -96,8 +96,9 @@ def worker(i):
 threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
 for t in threads:
     t.start()
+deadline = time.monotonic() + 600  # one for all the threads (the subprocess's own limit is 900 s)
 for t in threads:
-    t.join(timeout=600)
+    t.join(timeout=max(0.0, deadline - time.monotonic()))
 assert not any(t.is_alive() for t in threads), "a thread hangs"
 assert not errors, "\\n".join(errors)
 torch.cuda.synchronize()
