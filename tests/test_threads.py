@@ -47,16 +47,20 @@ def fused_moe(i, r, w1, w2):
     return ("fused_moe", (x, w1, w2, w, ids), outs)
 
 
+def routing_outs(t, k):  # a routing op's out= pair (weights, ids), poisoned
+    return poison(torch.empty(t, k, device="cuda")), poison(torch.empty(t, k, dtype=torch.int32, device="cuda"))
+
+
 def topk_softmax(i, r, *_):
     x = torch.randn(33, 64, generator=gen(1000 * i + r), device="cuda")
-    out = (poison(torch.empty(33, 8, device="cuda")), poison(torch.empty(33, 8, dtype=torch.int32, device="cuda")))
+    out = routing_outs(33, 8)
     return ("topk_softmax", (x,), hipkern.topk_softmax(x, 8, out=out))
 
 
 def grouped_topk(i, r, *_):
     x = torch.randn(70, 256, generator=gen(2000 * i + r), device="cuda")
     b = torch.randn(256, generator=gen(3000 * i + r), device="cuda") * 0.1
-    out = (poison(torch.empty(70, 8, device="cuda")), poison(torch.empty(70, 8, dtype=torch.int32, device="cuda")))
+    out = routing_outs(70, 8)
     return ("grouped_topk", (x, b), hipkern.grouped_topk(x, b, 8, 8, 4, out=out))
 
 
